@@ -1,0 +1,251 @@
+"""Capture file: a non-blocking, crash-safe writer and a tolerant reader.
+
+Format: JSON Lines, first line a ``capture_start`` header carrying the format version
+(see ``captures/README.md``). The writer never blocks the caller: records are encoded
+on the caller's thread (cheap), appended to an in-memory batch bounded in bytes, and a
+background thread writes batches with ``os.write``. When the batch is full (disk slow)
+or a write fails (disk full), records are dropped and counted; the count is written as
+a ``capture_loss`` record as soon as writing works again, and in ``capture_end``. After
+``kill -9`` everything flushed so far is on disk; the reader skips a torn line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import structlog
+
+from . import events as ev
+
+log = structlog.get_logger("tracer.capture")
+
+FLUSH_INTERVAL = 0.05
+MAX_PENDING_BYTES = 32 * 1024 * 1024
+
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+
+
+class CaptureWriter:
+    """Appends records to a file from any thread without ever blocking on disk."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        max_pending_bytes: int = MAX_PENDING_BYTES,
+        flush_interval: float = FLUSH_INTERVAL,
+    ) -> None:
+        self.path = Path(path)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._max_pending = max_pending_bytes
+        self._interval = flush_interval
+        self._lock = threading.Lock()
+        self._batch: list[bytes] = []
+        self._batch_bytes = 0
+        self._wake = threading.Event()
+        self._stop = False
+        self.written = 0
+        self.dropped = 0
+        self.dropped_bytes = 0
+        self._loss_reported = 0
+        self._torn = False
+        self._last_error: str | None = None
+        self._tap = ""
+        self._thread = threading.Thread(target=self._run, name="capture-writer", daemon=True)
+        self._thread.start()
+
+    # ---- producer side ------------------------------------------------------------
+
+    def write(self, event: ev.Event) -> None:
+        self._tap = event.tap
+        self.write_record(event.to_record())
+
+    def write_record(self, record: dict[str, Any]) -> None:
+        try:
+            line = (_encode(record) + "\n").encode("utf-8")
+        except (TypeError, ValueError):
+            line = (_encode({"type": "unencodable", "of": str(record.get("type"))}) + "\n").encode()
+        size = len(line)
+        with self._lock:
+            if self._batch_bytes + size > self._max_pending or self._stop:
+                self.dropped += 1
+                self.dropped_bytes += size
+                return
+            self._batch.append(line)
+            self._batch_bytes += size
+            first = len(self._batch) == 1
+        if first:
+            self._wake.set()
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._batch_bytes
+
+    # ---- writer thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            stopping = self._stop
+            if not stopping:
+                time.sleep(self._interval)  # let a batch build up: fewer, larger writes
+            self._wake.clear()
+            with self._lock:
+                batch, self._batch, self._batch_bytes = self._batch, [], 0
+            if batch:
+                self._write_batch(batch)
+            if stopping and not self._batch:
+                return
+
+    def _write_batch(self, batch: list[bytes]) -> None:
+        lost = self.dropped - self._loss_reported
+        if lost and self._tap:
+            now_m = time.monotonic()
+            loss = ev.CaptureLoss(
+                t=time.time(),
+                m=now_m,
+                tap=self._tap,
+                dropped=lost,
+                dropped_bytes=self.dropped_bytes,
+                reason=self._last_error or "writer too slow",
+            )
+            batch.insert(0, (_encode(loss.to_record()) + "\n").encode())
+        data = b"".join(batch)
+        if self._torn:
+            data = b"\n" + data  # end the torn fragment so the next record parses
+        view = memoryview(data)
+        try:
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+        except OSError as exc:
+            self._torn = len(view) != len(data)
+            # Records wholly unwritten are lost; a partly written one is torn.
+            lost_lines = data[len(data) - len(view) :].count(b"\n")
+            with self._lock:
+                self.dropped += lost_lines
+                self.dropped_bytes += len(view)
+            if self._last_error is None:
+                log.warning("capture write failed; records dropped", error=str(exc))
+            self._last_error = f"{type(exc).__name__}: {exc.strerror or exc}"
+            return
+        self._torn = False
+        self._last_error = None
+        self.written += len(batch)
+        if lost:
+            self._loss_reported += lost
+
+    def close(self, *, timeout: float = 2.0) -> None:
+        """Flush what is pending and close; never waits longer than ``timeout``."""
+        with self._lock:
+            self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+    def finish(self, tap: str, reason: str) -> None:
+        """Write ``capture_end`` (with the counts) and close."""
+        now = time.monotonic()
+        self.write(
+            ev.CaptureEnd(
+                t=time.time(),
+                m=now,
+                tap=tap,
+                records=self.written + len(self._batch) + 1,
+                dropped=self.dropped,
+                reason=reason,
+            )
+        )
+        self.close()
+
+
+@dataclass
+class ReadStats:
+    records: int = 0
+    bad_lines: int = 0
+    unknown_types: int = 0
+    version: int | None = None
+    torn_tail: bool = False
+    headers: list[dict[str, Any]] = field(default_factory=list)
+
+
+class CaptureError(Exception):
+    """The file is not a capture this version can read."""
+
+
+def read_records(
+    path: str | os.PathLike[str], stats: ReadStats | None = None
+) -> Iterator[dict[str, Any]]:
+    """Yield the records of a capture, skipping (and counting) lines that do not parse.
+
+    Works on a file that is still being written: it reads up to the current end, and a
+    last line without its newline is a torn tail, not an error.
+    """
+    stats = stats if stats is not None else ReadStats()
+    with open(path, "rb") as fh:
+        yield from _read_lines(fh, stats, str(path))
+
+
+def _read_lines(fh: Any, stats: ReadStats, name: str) -> Iterator[dict[str, Any]]:
+    first = True
+    for raw in fh:
+        if not raw.endswith(b"\n"):
+            stats.torn_tail = True
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                return
+        else:
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                stats.bad_lines += 1
+                continue
+        if not isinstance(record, dict):
+            stats.bad_lines += 1
+            continue
+        if first:
+            first = False
+            if record.get("type") != ev.CaptureStart.TYPE:
+                raise CaptureError(f"{name}: not a tracer capture (no capture_start header)")
+        if record.get("type") == ev.CaptureStart.TYPE:
+            version = record.get("version")
+            if not isinstance(version, int) or version > ev.CAPTURE_VERSION:
+                raise CaptureError(
+                    f"{name}: capture format version {version!r}; this tracer reads up to "
+                    f"{ev.CAPTURE_VERSION}"
+                )
+            stats.version = version
+            stats.headers.append(record)
+        stats.records += 1
+        yield record
+
+
+def read_events(path: str | os.PathLike[str], stats: ReadStats | None = None) -> Iterator[ev.Event]:
+    stats = stats if stats is not None else ReadStats()
+    for record in read_records(path, stats):
+        event = ev.from_record(record)
+        if event is None:
+            stats.unknown_types += 1
+            continue
+        yield event
+
+
+def write_all(path: str | os.PathLike[str], records: list[ev.Event]) -> None:
+    """Write a whole capture synchronously (for tests and generated captures)."""
+    with open(path, "w", encoding="utf-8") as fh:
+        _write_lines(fh, records)
+
+
+def _write_lines(fh: TextIO, records: list[ev.Event]) -> None:
+    for event in records:
+        fh.write(_encode(event.to_record()) + "\n")

@@ -1,0 +1,304 @@
+"""Typed, versioned event records: the one stream every tap emits.
+
+Theory of operation
+-------------------
+A tap (the native proxy, the mitmproxy addon, a replay run) turns what it sees into
+these records. The capture file is exactly this stream, one JSON object a line; the
+analysis is a pure function of it. Every record carries:
+
+* ``type``  -- its name (the class's ``TYPE``), stable across versions;
+* ``t``     -- wall-clock seconds since the epoch (to join taps and engine samples);
+* ``m``     -- monotonic seconds of the tap (for durations; only comparable within
+  one tap run);
+* ``tap``   -- the tap's name;
+* ``conn``  -- the tap-local connection number (1, 2, ...), where it applies;
+* ``seq``   -- the request's position on that connection (1, 2, ...), where it applies.
+
+Records are frozen, slotted and keyword-only. ``to_record`` / ``from_record`` convert
+to and from plain dicts; unknown fields are ignored on read so that a newer capture
+stays readable by older analysis code where it can be. ``CAPTURE_VERSION`` changes
+when a field changes meaning; adding fields does not change it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+CAPTURE_VERSION = 1
+
+Direction = Literal["client", "upstream"]
+Termination = Literal[
+    "complete",  # final chunk / full Content-Length / close-delimited end
+    "truncated",  # upstream closed (FIN or reset) before the end
+    "client_abort",  # the client closed first, before the response ended
+    "in_flight",  # still going when the tap stopped
+    "unparsed",  # the observer could not follow the framing (protocol anomaly)
+    "tracer_response",  # answered by the tap itself (502 / 400)
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    """Base of every record."""
+
+    TYPE: ClassVar[str] = "event"
+    t: float
+    m: float
+    tap: str
+
+    def to_record(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.TYPE}
+        for name in _FIELDS[type(self)]:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+
+_REGISTRY: dict[str, type[Event]] = {}
+_FIELDS: dict[type[Event], tuple[str, ...]] = {}
+
+
+def _register[E: type[Event]](cls: E) -> E:
+    _REGISTRY[cls.TYPE] = cls
+    _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return cls
+
+
+def from_record(record: dict[str, Any]) -> Event | None:
+    """Rebuild an event from a capture record; None for an unknown type."""
+    cls = _REGISTRY.get(record.get("type", ""))
+    if cls is None:
+        return None
+    names = _FIELDS[cls]
+    kwargs = {k: v for k, v in record.items() if k in names}
+    try:
+        return cls(**kwargs)
+    except TypeError:
+        return None
+
+
+def event_types() -> dict[str, type[Event]]:
+    return dict(_REGISTRY)
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CaptureStart(Event):
+    """Header record: the first line of every capture file."""
+
+    TYPE: ClassVar[str] = "capture_start"
+    version: int = CAPTURE_VERSION
+    tracer_version: str
+    kind: str  # "proxy", "mitmproxy", "replay", "watch"
+    listen: str | None = None
+    upstream: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CaptureEnd(Event):
+    """Last record of a capture closed cleanly (absent after kill -9)."""
+
+    TYPE: ClassVar[str] = "capture_end"
+    records: int
+    dropped: int
+    reason: str
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CaptureLoss(Event):
+    """Records the writer could not write (disk full or too slow)."""
+
+    TYPE: ClassVar[str] = "capture_loss"
+    dropped: int
+    dropped_bytes: int
+    reason: str
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConnOpen(Event):
+    TYPE: ClassVar[str] = "conn_open"
+    conn: int
+    peer: str
+    local: str
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpstreamConnect(Event):
+    """Upstream connect phases: start, done (with local address) or failed."""
+
+    TYPE: ClassVar[str] = "upstream_connect"
+    conn: int
+    phase: Literal["start", "done", "failed"]
+    addr: str
+    local: str | None = None
+    error: str | None = None
+    elapsed: float | None = None
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConnClose(Event):
+    """End of a connection: who closed first, how, and what was in flight."""
+
+    TYPE: ClassVar[str] = "conn_close"
+    conn: int
+    closed_by: Literal["client", "upstream", "tracer", "none"]
+    how: Literal["fin", "reset", "tracer"]
+    half_close: Direction | None = None  # side that sent FIN while the other went on
+    in_flight: bool
+    requests: int
+    bytes_from_client: int
+    bytes_from_upstream: int
+    upstream_opened: bool
+    duration: float
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestHead(Event):
+    """A request's head, parsed from the client's bytes."""
+
+    TYPE: ClassVar[str] = "request"
+    conn: int
+    seq: int
+    idle_before: float  # since the previous response ended (or the connection opened)
+    method: str
+    target: str
+    version: str
+    headers: list[list[str]]
+    request_id: str | None = None
+    content_length: int | None = None
+    chunked: bool = False
+    expect_continue: bool = False
+    pipelined: bool = False  # sent before the previous response had ended
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestEnd(Event):
+    """The request body ended (or was cut); size, hash, OpenAI fields, maybe the body."""
+
+    TYPE: ClassVar[str] = "request_end"
+    conn: int
+    seq: int
+    complete: bool
+    body_bytes: int
+    body_sha256: str
+    body: str | None = None
+    body_encoding: Literal["utf-8", "base64"] | None = None
+    body_kept: bool = False
+    model: str | None = None
+    stream: bool | None = None
+    max_tokens: int | None = None
+    messages: int | None = None
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Informational(Event):
+    """A 1xx response (100 Continue, 101 Switching Protocols)."""
+
+    TYPE: ClassVar[str] = "informational"
+    conn: int
+    seq: int
+    status: int
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResponseHead(Event):
+    TYPE: ClassVar[str] = "response"
+    conn: int
+    seq: int
+    status: int
+    reason: str
+    version: str
+    headers: list[list[str]]
+    ttfb: float  # seconds from the request head to the response head
+    sse: bool = False
+    content_length: int | None = None
+    chunked: bool = False
+    keep_alive: bool = True
+    by_tracer: bool = False
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BodyData(Event):
+    """Response body bytes that arrived in one read from upstream.
+
+    ``sse`` lists the Server-Sent Events completed by these bytes, each as
+    ``[size, kind]`` or ``[size, kind, finish_reason]``; kinds: ``role`` (data with no
+    content yet), ``content``, ``finish``, ``usage``, ``error``, ``done``, ``comment``,
+    ``other`` (data that is not OpenAI JSON). All share this record's arrival time.
+    """
+
+    TYPE: ClassVar[str] = "body"
+    conn: int
+    seq: int
+    size: int
+    chunks: int = 0  # chunk headers seen in these bytes (chunked framing)
+    sse: list[list[Any]] | None = None
+    data: str | None = None  # only with --bodies all
+    data_encoding: Literal["utf-8", "base64"] | None = None
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResponseEnd(Event):
+    """How the response ended, with the figures analysis needs most."""
+
+    TYPE: ClassVar[str] = "response_end"
+    conn: int
+    seq: int
+    termination: Termination
+    status: int | None = None
+    body_bytes: int
+    duration: float  # from the request head
+    ttfb: float | None = None
+    first_token: float | None = None  # from the request head to the first content event
+    events: int = 0
+    comments: int = 0
+    done: bool = False  # data: [DONE] seen
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    error: str | None = None  # SSE error event message
+    max_gap: float | None = None  # largest silence between body reads
+    close: Literal["fin", "reset"] | None = None
+    mid_event: bool = False  # cut inside an SSE event
+    detail: str | None = None
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stall(Event):
+    """No bytes moving for a request in flight; start and end records."""
+
+    TYPE: ClassVar[str] = "stall"
+    conn: int
+    seq: int
+    phase: Literal["start", "end"]
+    direction: Literal["upstream_silent", "client_not_reading", "client_silent"]
+    silent_for: float  # seconds without bytes when the record was made
+    unsent_bytes: int | None = None  # kernel send queue toward the client
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Anomaly(Event):
+    """Bytes the observer could not parse; forwarding went on regardless."""
+
+    TYPE: ClassVar[str] = "anomaly"
+    conn: int
+    seq: int | None = None
+    direction: Direction
+    error: str
+    offset: int  # bytes of that direction seen before the failure

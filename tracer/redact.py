@@ -1,0 +1,49 @@
+"""Secrets stay out: header values that carry credentials are redacted before anything
+is written (capture, logs, admin status)."""
+
+from __future__ import annotations
+
+import re
+
+REDACTED = "[redacted]"
+
+_ALWAYS = frozenset(
+    {
+        "authorization",
+        "proxy-authorization",
+        "cookie",
+        "set-cookie",
+        "x-api-key",
+        "api-key",
+        "openai-api-key",
+        "x-goog-api-key",
+        "x-auth-token",
+        "x-amz-security-token",
+    }
+)
+# Any other header whose name says it holds a credential.
+_LOOKS_SECRET = re.compile(r"(api[-_]?key|token|secret|passw|credential|session)", re.I)
+
+
+def is_secret(name: str) -> bool:
+    lower = name.lower()
+    return lower in _ALWAYS or bool(_LOOKS_SECRET.search(lower))
+
+
+def redact_value(name: str, value: str) -> str:
+    """Keep the scheme of an Authorization header (``Bearer``), drop the credential."""
+    if not is_secret(name):
+        return value
+    if name.lower() in ("authorization", "proxy-authorization") and " " in value:
+        return value.split(" ", 1)[0] + " " + REDACTED
+    return REDACTED
+
+
+def redact_headers(headers: list[tuple[bytes, bytes]]) -> list[list[str]]:
+    """h11 header pairs to ``[name, value]`` strings, secrets redacted."""
+    out: list[list[str]] = []
+    for raw_name, raw_value in headers:
+        name = raw_name.decode("latin-1")
+        value = raw_value.decode("latin-1")
+        out.append([name, redact_value(name, value)])
+    return out

@@ -1,0 +1,124 @@
+"""Render an analysis result as text tables (rich) or JSON; deterministic output."""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def to_json(result: dict[str, Any]) -> str:
+    return json.dumps(result, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def _ms(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value >= 10:
+        return f"{value:.1f}s"
+    return f"{value * 1000:.1f}ms" if value < 1 else f"{value:.3f}s"
+
+
+def _rel(value: float | None, origin: float) -> str:
+    return "-" if value is None else f"+{value - origin:.3f}s"
+
+
+def to_text(result: dict[str, Any], *, width: int = 160) -> str:
+    buf = io.StringIO()
+    console = Console(
+        file=buf, width=width, color_system=None, force_terminal=False, highlight=False
+    )
+    totals = result["totals"]
+    origin = result["time_range"]["start"] or 0.0
+    taps = ", ".join(t["tap"] for t in result["taps"]) or "-"
+    console.print(
+        f"taps: {taps}   connections: {totals['connections']}   requests: {totals['requests']} "
+        f"({totals['reused_requests']} on reused connections)   stalls: {totals['stalls']}"
+    )
+    terms = "  ".join(f"{k}={v}" for k, v in totals["terminations"].items()) or "-"
+    console.print(f"terminations: {terms}")
+    if totals["capture_records_lost"]:
+        console.print(f"WARNING: the capture lost {totals['capture_records_lost']} records")
+
+    conns = Table(title="connections", title_justify="left", show_edge=False, pad_edge=False)
+    for col in (
+        "conn",
+        "peer",
+        "opened",
+        "reqs",
+        "closed by",
+        "how",
+        "half-close",
+        "in flight",
+        "bytes c->u",
+        "bytes u->c",
+        "upstream",
+    ):
+        conns.add_column(col, no_wrap=True)
+    for c in result["connections"]:
+        upstream = c["upstream_error"] or c["upstream_local"] or "-"
+        conns.add_row(
+            c["id"],
+            c["peer"],
+            _rel(c["opened"], origin),
+            str(c["requests"]),
+            c["closed_by"] or "open",
+            c["how"] or "-",
+            c["half_close"] or "-",
+            "-"
+            if c["in_flight_at_close"] is None
+            else ("yes" if c["in_flight_at_close"] else "no"),
+            str(c["bytes_from_client"] if c["bytes_from_client"] is not None else "-"),
+            str(c["bytes_from_upstream"] if c["bytes_from_upstream"] is not None else "-"),
+            upstream,
+        )
+    console.print(conns)
+
+    reqs = Table(title="requests", title_justify="left", show_edge=False, pad_edge=False)
+    for col in (
+        "request",
+        "start",
+        "idle before",
+        "method",
+        "target",
+        "x-request-id",
+        "status",
+        "ttfb",
+        "first token",
+        "duration",
+        "max gap",
+        "events",
+        "[DONE]",
+        "finish",
+        "termination",
+        "stalls",
+    ):
+        reqs.add_column(col, no_wrap=True)
+    for r in result["requests"]:
+        stalls = ",".join(f"{s['direction']}" for s in r["stalls"]) or "-"
+        termination = r["termination"]
+        if r["close"]:
+            termination += f" ({r['close']}{', mid-event' if r['mid_event'] else ''})"
+        reqs.add_row(
+            r["id"],
+            _rel(r["start"], origin),
+            _ms(r["idle_before"]) if r["reused"] else "fresh",
+            r["method"],
+            r["target"],
+            r["request_id"] or "-",
+            str(r["status"] or "-"),
+            _ms(r["ttfb"]),
+            _ms(r["first_token"]),
+            _ms(r["duration"]),
+            _ms(r["max_gap"]),
+            str(r["events"]) if r["sse"] else "-",
+            ("yes" if r["done"] else "no") if r["sse"] else "-",
+            r["finish_reason"] or "-",
+            termination,
+            stalls,
+        )
+    console.print(reqs)
+    return buf.getvalue()

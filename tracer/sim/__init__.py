@@ -1,0 +1,1 @@
+"""Simulated parts for demos and tests: an OpenAI-compatible engine and a harness."""

@@ -1,0 +1,742 @@
+"""Sans-I/O observer of one HTTP/1.1 connection: bytes of both directions in, events out.
+
+Theory of operation
+-------------------
+The observer is fed exactly the bytes the relay forwards, with their arrival time; it
+never touches a socket or a clock. It uses two ``h11.Connection`` objects, one per
+direction: ``_req`` plays the server and parses the client's bytes, ``_resp`` plays the
+client and parses the upstream's bytes. h11 is a two-party state machine, so each side
+is told what the other side did by *mirroring*: a parsed request head is ``send()``-ed
+into ``_resp`` (with neutral framing: chunked, so that only its method and keep-alive
+matter), and a parsed response head and end into ``_req``. The mirrored bytes are
+discarded. When both cycles are done both connections start the next cycle, and
+pipelined requests held in ``_req``'s buffer are parsed.
+
+Rules:
+
+1. Observation never affects forwarding. Any parse failure (``RemoteProtocolError``)
+   or mirroring failure (``LocalProtocolError``) is recorded once as an ``Anomaly`` and
+   the observer goes *blind*: it only counts bytes from then on.
+2. Requests are numbered 1, 2, 3 ... in order on the connection; ``idle_before`` is the
+   time since the previous response ended (or since the connection opened).
+3. A response's termination is decided where the evidence is: the end of its framing
+   (complete), an upstream EOF or reset before it (truncated), a client close before it
+   (client abort), the tap stopping (in flight), or a parse failure (unparsed).
+4. Memory per connection is bounded: header size by h11's ``max_incomplete_event_size``,
+   request bodies kept up to ``max_body_keep``, SSE fragments by the event size.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Literal
+
+import h11
+
+from . import events as ev
+from .redact import redact_headers
+from .sse import SseSplitter
+
+Emit = Callable[[ev.Event], None]
+Bodies = Literal["none", "requests", "all"]
+
+MAX_HEADER_BYTES = 64 * 1024
+MAX_BODY_KEEP = 16 * 1024 * 1024
+StallDirection = Literal["upstream_silent", "client_not_reading", "client_silent"]
+
+
+class _Request:
+    """Mutable per-request state while it is in flight."""
+
+    __slots__ = (
+        "body_bytes",
+        "body_hash",
+        "body_parts",
+        "body_too_big",
+        "comments",
+        "content_type_json",
+        "done",
+        "ended",
+        "error",
+        "events",
+        "finish_reason",
+        "first_token_m",
+        "head_m",
+        "last_data_m",
+        "max_gap",
+        "method",
+        "request_done",
+        "resp_bytes",
+        "resp_head_m",
+        "seq",
+        "sse",
+        "stall_direction",
+        "stall_start_m",
+        "status",
+        "usage",
+    )
+
+    def __init__(self, seq: int, head_m: float, method: str, json_body: bool) -> None:
+        self.seq = seq
+        self.head_m = head_m
+        self.method = method
+        self.content_type_json = json_body
+        self.body_bytes = 0
+        self.body_hash = hashlib.sha256()
+        self.body_parts: list[bytes] | None = []
+        self.body_too_big = False
+        self.request_done = False
+        self.status: int | None = None
+        self.resp_head_m: float | None = None
+        self.resp_bytes = 0
+        self.sse: SseSplitter | None = None
+        self.events = 0
+        self.comments = 0
+        self.first_token_m: float | None = None
+        self.done = False
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.last_data_m: float | None = None
+        self.max_gap = 0.0
+        self.ended = False
+        self.stall_start_m: float | None = None
+        self.stall_direction: StallDirection | None = None
+
+
+class ConnectionObserver:
+    """Watches one downstream connection (and its pinned upstream one)."""
+
+    def __init__(
+        self,
+        *,
+        tap: str,
+        conn: int,
+        emit: Emit,
+        wall_offset: float,
+        opened_m: float,
+        bodies: Bodies = "requests",
+        max_header_bytes: int = MAX_HEADER_BYTES,
+        max_body_keep: int = MAX_BODY_KEEP,
+    ) -> None:
+        self.tap = tap
+        self.conn = conn
+        self._emit = emit
+        self._wall = wall_offset
+        self._bodies = bodies
+        self._max_body_keep = max_body_keep
+        self._req = h11.Connection(h11.SERVER, max_incomplete_event_size=max_header_bytes)
+        self._resp = h11.Connection(h11.CLIENT, max_incomplete_event_size=max_header_bytes)
+        self.blind = False
+        self.tunnel = False
+        self.seq = 0
+        self._pending: deque[_Request] = deque()  # requests whose response has not ended
+        self._receiving: _Request | None = None  # request whose body is arriving
+        self._last_end_m = opened_m
+        self._client_pending_m: float | None = None
+        self.client_bytes = 0
+        self.upstream_bytes = 0
+        self.last_activity_m = opened_m
+        self.client_closed_m: float | None = None
+        self.client_close: Literal["fin", "reset"] | None = None
+        self.upstream_closed_m: float | None = None
+        self.upstream_close: Literal["fin", "reset"] | None = None
+
+    # ---- queries used by the relay and the admin endpoint -------------------------
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self._pending)
+
+    def in_flight_requests(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "seq": r.seq,
+                "method": r.method,
+                "started_m": r.head_m,
+                "status": r.status,
+                "events": r.events,
+                "response_bytes": r.resp_bytes,
+                "stalled": r.stall_direction,
+            }
+            for r in self._pending
+        ]
+
+    # ---- input --------------------------------------------------------------------
+
+    def client_data(self, data: bytes, m: float) -> None:
+        self.client_bytes += len(data)
+        self._activity(m)
+        if self.blind or self.tunnel:
+            return
+        try:
+            self._req.receive_data(data)
+            self._pump_requests(m)
+        except h11.ProtocolError as exc:
+            self._go_blind("client", exc, m)
+
+    def upstream_data(self, data: bytes, m: float) -> None:
+        self.upstream_bytes += len(data)
+        self._activity(m)
+        if self.blind or self.tunnel:
+            return
+        try:
+            self._resp.receive_data(data)
+            self._pump_responses(m)
+        except h11.ProtocolError as exc:
+            self._go_blind("upstream", exc, m)
+
+    def client_eof(self, m: float, *, reset: bool) -> None:
+        """The client sent FIN (half-close) or reset the connection."""
+        if self.client_closed_m is None:
+            self.client_closed_m = m
+            self.client_close = "reset" if reset else "fin"
+        if not (self.blind or self.tunnel):
+            try:
+                self._req.receive_data(b"")
+                self._pump_requests(m)
+            except h11.ProtocolError as exc:
+                cut = self._receiving
+                if cut is not None and not cut.request_done:
+                    self._end_request(cut, m, complete=False)
+                else:
+                    self._go_blind("client", exc, m)
+        if reset:
+            self._finish_all(m, "client_abort", close="reset")
+
+    def upstream_eof(self, m: float, *, reset: bool) -> None:
+        """The upstream sent FIN or reset: ends a close-delimited body, or truncates."""
+        if self.upstream_closed_m is None:
+            self.upstream_closed_m = m
+            self.upstream_close = "reset" if reset else "fin"
+        close: Literal["fin", "reset"] = "reset" if reset else "fin"
+        if not (self.blind or self.tunnel):
+            try:
+                if reset:
+                    raise h11.RemoteProtocolError("connection reset by upstream")
+                self._resp.receive_data(b"")
+                self._pump_responses(m)
+            except h11.ProtocolError as exc:
+                if self._pending:
+                    self._finish_all(m, self._cut_termination(), close=close, detail=str(exc))
+                return
+        self._finish_all(m, self._cut_termination(), close=close)
+
+    def close(self, m: float, *, shutdown: bool) -> None:
+        """The relay is done with the connection: settle whatever is still open."""
+        if self._receiving is not None and not self._receiving.request_done:
+            self._end_request(self._receiving, m, complete=False)
+        if shutdown:
+            self._finish_all(m, "in_flight", close=None, detail="tap stopped")
+        else:
+            self._finish_all(m, self._cut_termination(), close=None)
+
+    def tick(
+        self, m: float, *, stall_after: float, client_blocked: bool, unsent: int | None
+    ) -> None:
+        """Called periodically by the relay: start stalls for requests gone silent."""
+        if not self._pending:
+            return
+        req = self._pending[0]
+        silent = m - self.last_activity_m
+        if req.stall_start_m is not None or silent < stall_after:
+            return
+        direction: StallDirection
+        if client_blocked or (unsent is not None and unsent > 0 and req.status is not None):
+            direction = "client_not_reading"
+        elif not req.request_done and req.status is None:
+            direction = "client_silent"
+        else:
+            direction = "upstream_silent"
+        req.stall_start_m = self.last_activity_m
+        req.stall_direction = direction
+        self._emit(
+            ev.Stall(
+                t=m + self._wall,
+                m=m,
+                tap=self.tap,
+                conn=self.conn,
+                seq=req.seq,
+                phase="start",
+                direction=direction,
+                silent_for=round(silent, 6),
+                unsent_bytes=unsent,
+            )
+        )
+
+    def tracer_response(self, m: float, status: int, reason: str) -> None:
+        """Record a response the tap wrote itself (upstream unreachable, bad request)."""
+        req = self._pending[0] if self._pending else None
+        if req is None:
+            self.seq += 1
+            req = _Request(self.seq, m, "", False)
+            self._pending.append(req)
+        req.status = status
+        self._emit(
+            ev.ResponseHead(
+                t=m + self._wall,
+                m=m,
+                tap=self.tap,
+                conn=self.conn,
+                seq=req.seq,
+                status=status,
+                reason=reason,
+                version="1.1",
+                headers=[],
+                ttfb=round(m - req.head_m, 6),
+                keep_alive=False,
+                by_tracer=True,
+            )
+        )
+        self._end_response(req, m, "tracer_response", detail=reason)
+        self.blind = True
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def _pump_requests(self, m: float) -> None:
+        req_conn = self._req
+        while True:
+            event = req_conn.next_event()
+            if event is h11.NEED_DATA:
+                return
+            if event is h11.PAUSED:
+                if self._client_pending_m is None and req_conn.trailing_data[0]:
+                    self._client_pending_m = m
+                return
+            if isinstance(event, h11.Request):
+                self._on_request(event, m)
+            elif isinstance(event, h11.Data):
+                self._on_request_body(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                if self._receiving is not None:
+                    self._end_request(self._receiving, m, complete=True)
+                self._resp.send(h11.EndOfMessage())
+                self._maybe_next_cycle(m)
+            elif isinstance(event, h11.ConnectionClosed):
+                return
+
+    def _on_request(self, event: h11.Request, m: float) -> None:
+        start_m = m
+        pipelined = False
+        if self._client_pending_m is not None:
+            start_m, pipelined = self._client_pending_m, True
+            self._client_pending_m = None
+        self.seq += 1
+        headers = event.headers
+        content_length: int | None = None
+        chunked = expect = json_body = False
+        request_id: str | None = None
+        mirror: list[tuple[bytes, bytes]] = [(b"host", b"tap"), (b"transfer-encoding", b"chunked")]
+        for name, value in headers:
+            if name == b"content-length":
+                content_length = int(value)
+            elif name == b"transfer-encoding":
+                chunked = True
+            elif name == b"expect":
+                expect = value.lower() == b"100-continue"
+            elif name == b"x-request-id":
+                request_id = value.decode("latin-1")
+            elif name == b"content-type":
+                json_body = b"json" in value.lower()
+            elif name in (b"connection", b"upgrade"):
+                mirror.append((name, value))
+        if event.http_version != b"1.1" and not any(n == b"connection" for n, _ in mirror):
+            mirror.append((b"connection", b"close"))
+        method = event.method.decode("latin-1")
+        req = _Request(self.seq, start_m, method, json_body)
+        self._pending.append(req)
+        self._receiving = req
+        idle = max(0.0, start_m - self._last_end_m) if len(self._pending) == 1 else 0.0
+        self._emit(
+            ev.RequestHead(
+                t=start_m + self._wall,
+                m=start_m,
+                tap=self.tap,
+                conn=self.conn,
+                seq=self.seq,
+                idle_before=round(idle, 6),
+                method=method,
+                target=event.target.decode("latin-1"),
+                version=event.http_version.decode("latin-1"),
+                headers=redact_headers(headers.raw_items()),
+                request_id=request_id,
+                content_length=content_length,
+                chunked=chunked,
+                expect_continue=expect,
+                pipelined=pipelined,
+            )
+        )
+        self._resp.send(h11.Request(method=event.method, target=b"/", headers=mirror))
+
+    def _on_request_body(self, data: bytes) -> None:
+        req = self._receiving
+        if req is None:
+            return
+        req.body_bytes += len(data)
+        req.body_hash.update(data)
+        if req.body_parts is not None:
+            if req.body_bytes > self._max_body_keep:
+                req.body_parts = None
+                req.body_too_big = True
+            else:
+                req.body_parts.append(data)
+
+    def _end_request(self, req: _Request, m: float, *, complete: bool) -> None:
+        req.request_done = True
+        self._receiving = None
+        body = b"".join(req.body_parts) if req.body_parts else b""
+        fields: dict[str, Any] = {}
+        if body and req.content_type_json:
+            fields = _openai_fields(body)
+        kept: str | None = None
+        encoding: Literal["utf-8", "base64"] | None = None
+        if self._bodies != "none" and req.body_parts is not None and body:
+            kept, encoding = _encode_body(body)
+        self._emit(
+            ev.RequestEnd(
+                t=m + self._wall,
+                m=m,
+                tap=self.tap,
+                conn=self.conn,
+                seq=req.seq,
+                complete=complete,
+                body_bytes=req.body_bytes,
+                body_sha256=req.body_hash.hexdigest(),
+                body=kept,
+                body_encoding=encoding,
+                body_kept=kept is not None or req.body_bytes == 0,
+                **fields,
+            )
+        )
+        req.body_parts = None
+
+    # ---- responses --------------------------------------------------------------------
+
+    def _pump_responses(self, m: float) -> None:
+        resp_conn = self._resp
+        chunk_starts = 0
+        body_size = 0
+        sse_events: list[list[Any]] | None = None
+        body_req: _Request | None = None
+        raw: list[bytes] | None = [] if self._bodies == "all" else None
+        while True:
+            event = resp_conn.next_event()
+            if event is h11.NEED_DATA or event is h11.PAUSED:
+                break
+            if isinstance(event, h11.Data):
+                req = self._pending[0]
+                body_req = req
+                data = event.data
+                body_size += len(data)
+                if event.chunk_start:
+                    chunk_starts += 1
+                if raw is not None:
+                    raw.append(data)
+                if req.sse is not None:
+                    for sse in req.sse.feed(data):
+                        if sse_events is None:
+                            sse_events = []
+                        sse_events.append(sse.as_record())
+                        self._on_sse(req, sse, m)
+                continue
+            if body_req is not None:
+                self._emit_body(body_req, m, body_size, chunk_starts, sse_events, raw)
+                body_req, body_size, chunk_starts, sse_events = None, 0, 0, None
+                raw = [] if raw is not None else None
+            if isinstance(event, h11.Response):
+                self._on_response(event, m)
+            elif isinstance(event, h11.InformationalResponse):
+                self._on_informational(event, m)
+            elif isinstance(event, h11.EndOfMessage):
+                req = self._pending[0]
+                self._end_response(req, m, "complete")
+                if not self._client_gone():
+                    self._req.send(h11.EndOfMessage())
+                self._maybe_next_cycle(m)
+            elif isinstance(event, h11.ConnectionClosed):
+                break
+        if body_req is not None:
+            self._emit_body(body_req, m, body_size, chunk_starts, sse_events, raw)
+
+    def _on_informational(self, event: h11.InformationalResponse, m: float) -> None:
+        req = self._pending[0]
+        self._emit(
+            ev.Informational(
+                t=m + self._wall,
+                m=m,
+                tap=self.tap,
+                conn=self.conn,
+                seq=req.seq,
+                status=event.status_code,
+            )
+        )
+        if not self._client_gone():
+            self._req.send(h11.InformationalResponse(status_code=event.status_code, headers=[]))
+        if event.status_code == 101:
+            self.tunnel = True
+
+    def _on_response(self, event: h11.Response, m: float) -> None:
+        req = self._pending[0]
+        req.status = event.status_code
+        req.resp_head_m = m
+        req.last_data_m = m
+        content_length: int | None = None
+        chunked = sse = False
+        keep_alive = event.http_version == b"1.1"
+        for name, value in event.headers:
+            if name == b"content-length":
+                content_length = int(value)
+            elif name == b"transfer-encoding":
+                chunked = True
+            elif name == b"content-type":
+                sse = value.startswith(b"text/event-stream")
+            elif name == b"connection":
+                lowered = value.lower()
+                if b"close" in lowered:
+                    keep_alive = False
+                elif b"keep-alive" in lowered:
+                    keep_alive = True
+        if sse:
+            req.sse = SseSplitter()
+        self._emit(
+            ev.ResponseHead(
+                t=m + self._wall,
+                m=m,
+                tap=self.tap,
+                conn=self.conn,
+                seq=req.seq,
+                status=event.status_code,
+                reason=event.reason.decode("latin-1"),
+                version=event.http_version.decode("latin-1"),
+                headers=redact_headers(event.headers.raw_items()),
+                ttfb=round(m - req.head_m, 6),
+                sse=sse,
+                content_length=content_length,
+                chunked=chunked,
+                keep_alive=keep_alive,
+            )
+        )
+        if not self._client_gone():
+            mirror = [(b"transfer-encoding", b"chunked")]
+            if not keep_alive:
+                mirror.append((b"connection", b"close"))
+            self._req.send(h11.Response(status_code=event.status_code, headers=mirror))
+        if event.status_code == 101 or (req.method == "CONNECT" and 200 <= event.status_code < 300):
+            self.tunnel = True
+
+    def _on_sse(self, req: _Request, sse: Any, m: float) -> None:
+        kind = sse.kind
+        if kind == "comment":
+            req.comments += 1
+            return
+        req.events += 1
+        if sse.content and req.first_token_m is None:
+            req.first_token_m = m
+        if kind == "done":
+            req.done = True
+        if sse.finish_reason is not None:
+            req.finish_reason = sse.finish_reason
+        if sse.usage is not None:
+            req.usage = sse.usage
+        if sse.error is not None:
+            req.error = sse.error
+
+    def _emit_body(
+        self,
+        req: _Request,
+        m: float,
+        size: int,
+        chunks: int,
+        sse: list[list[Any]] | None,
+        raw: list[bytes] | None,
+    ) -> None:
+        req.resp_bytes += size
+        if req.last_data_m is not None:
+            gap = m - req.last_data_m
+            if gap > req.max_gap:
+                req.max_gap = gap
+        req.last_data_m = m
+        data = encoding = None
+        if raw:
+            data, encoding = _encode_body(b"".join(raw))
+        self._emit(
+            ev.BodyData(
+                t=m + self._wall,
+                m=m,
+                tap=self.tap,
+                conn=self.conn,
+                seq=req.seq,
+                size=size,
+                chunks=chunks,
+                sse=sse,
+                data=data,
+                data_encoding=encoding,
+            )
+        )
+
+    def _end_response(
+        self,
+        req: _Request,
+        m: float,
+        termination: ev.Termination,
+        *,
+        close: Literal["fin", "reset"] | None = None,
+        detail: str | None = None,
+    ) -> None:
+        if req.ended:
+            return
+        req.ended = True
+        if self._pending and self._pending[0] is req:
+            self._pending.popleft()
+        else:
+            with contextlib.suppress(ValueError):
+                self._pending.remove(req)
+        self._end_stall(req, m)
+        self._last_end_m = m
+        mid_event = bool(req.sse is not None and req.sse.pending)
+        self._emit(
+            ev.ResponseEnd(
+                t=m + self._wall,
+                m=m,
+                tap=self.tap,
+                conn=self.conn,
+                seq=req.seq,
+                termination=termination,
+                status=req.status,
+                body_bytes=req.resp_bytes,
+                duration=round(m - req.head_m, 6),
+                ttfb=None if req.resp_head_m is None else round(req.resp_head_m - req.head_m, 6),
+                first_token=None
+                if req.first_token_m is None
+                else round(req.first_token_m - req.head_m, 6),
+                events=req.events,
+                comments=req.comments,
+                done=req.done,
+                finish_reason=req.finish_reason,
+                usage=req.usage,
+                error=req.error,
+                max_gap=round(req.max_gap, 6) if req.resp_head_m is not None else None,
+                close=close,
+                mid_event=mid_event and termination != "complete",
+                detail=detail,
+            )
+        )
+
+    # ---- shared -----------------------------------------------------------------------
+
+    def _activity(self, m: float) -> None:
+        self.last_activity_m = m
+        if self._pending:
+            req = self._pending[0]
+            if req.stall_start_m is not None:
+                self._end_stall(req, m)
+
+    def _end_stall(self, req: _Request, m: float) -> None:
+        if req.stall_start_m is None or req.stall_direction is None:
+            return
+        self._emit(
+            ev.Stall(
+                t=m + self._wall,
+                m=m,
+                tap=self.tap,
+                conn=self.conn,
+                seq=req.seq,
+                phase="end",
+                direction=req.stall_direction,
+                silent_for=round(m - req.stall_start_m, 6),
+            )
+        )
+        req.stall_start_m = None
+        req.stall_direction = None
+
+    def _client_gone(self) -> bool:
+        return self._req.their_state in (h11.CLOSED, h11.ERROR) or self._req.our_state in (
+            h11.MUST_CLOSE,
+            h11.CLOSED,
+            h11.ERROR,
+        )
+
+    def _maybe_next_cycle(self, m: float) -> None:
+        r, s = self._req, self._resp
+        if (
+            r.our_state is h11.DONE
+            and r.their_state is h11.DONE
+            and s.our_state is h11.DONE
+            and s.their_state is h11.DONE
+        ):
+            r.start_next_cycle()
+            s.start_next_cycle()
+            self._pump_requests(m)
+
+    def _cut_termination(self) -> ev.Termination:
+        client, upstream = self.client_closed_m, self.upstream_closed_m
+        if client is not None and (upstream is None or client <= upstream):
+            return "client_abort"
+        return "truncated"
+
+    def _finish_all(
+        self,
+        m: float,
+        termination: ev.Termination,
+        *,
+        close: Literal["fin", "reset"] | None,
+        detail: str | None = None,
+    ) -> None:
+        if self.blind and termination != "in_flight":
+            termination = "unparsed"
+        for req in list(self._pending):
+            self._end_response(req, m, termination, close=close, detail=detail)
+
+    def _go_blind(self, direction: ev.Direction, exc: Exception, m: float) -> None:
+        if self.blind:
+            return
+        self.blind = True
+        seq = self._pending[0].seq if self._pending else None
+        self._emit(
+            ev.Anomaly(
+                t=m + self._wall,
+                m=m,
+                tap=self.tap,
+                conn=self.conn,
+                seq=seq,
+                direction=direction,
+                error=str(exc) or type(exc).__name__,
+                offset=self.client_bytes if direction == "client" else self.upstream_bytes,
+            )
+        )
+
+
+def _openai_fields(body: bytes) -> dict[str, Any]:
+    """model, stream, max_tokens and message count from an OpenAI-style JSON body."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return {}
+    if not isinstance(obj, dict):
+        return {}
+    out: dict[str, Any] = {}
+    model = obj.get("model")
+    if isinstance(model, str):
+        out["model"] = model
+    stream = obj.get("stream")
+    if isinstance(stream, bool):
+        out["stream"] = stream
+    max_tokens = obj.get("max_tokens", obj.get("max_completion_tokens"))
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
+        out["max_tokens"] = max_tokens
+    messages = obj.get("messages")
+    if isinstance(messages, list):
+        out["messages"] = len(messages)
+    return out
+
+
+def _encode_body(body: bytes) -> tuple[str, Literal["utf-8", "base64"]]:
+    try:
+        return body.decode("utf-8"), "utf-8"
+    except UnicodeDecodeError:
+        return base64.b64encode(body).decode("ascii"), "base64"

@@ -1,0 +1,123 @@
+"""Incremental Server-Sent Events splitter and OpenAI chunk classifier.
+
+Chunk boundaries are not event boundaries: bytes are buffered until a blank line
+(``\\n\\n``, or ``\\r\\n\\r\\n``) ends an event. Classification reads the bytes with a
+few anchored regular expressions and parses JSON only for the rare events that need a
+value (finish reason, usage, error): a content chunk costs no ``json.loads``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+# Non-empty content in a chat delta, a completion's text, reasoning text or tool calls.
+_CONTENT = re.compile(
+    rb'"(?:content|reasoning_content|text)"\s*:\s*"[^"]|"tool_calls"\s*:\s*\[\s*\{'
+)
+_FINISH = re.compile(rb'"finish_reason"\s*:\s*"([^"]*)"')
+_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+_ERROR = re.compile(rb'^\s*\{\s*"(?:error"\s*:|object"\s*:\s*"error")')
+
+
+@dataclass(slots=True)
+class SseEvent:
+    size: int
+    kind: str  # role | content | finish | usage | error | done | comment | other
+    content: bool = False
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    error: str | None = None
+
+    def as_record(self) -> list[Any]:
+        if self.finish_reason is not None:
+            return [self.size, self.kind, self.finish_reason]
+        return [self.size, self.kind]
+
+
+class SseSplitter:
+    """Feed body bytes, get completed events; ``pending`` says whether an event is cut."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> list[SseEvent]:
+        buf = self._buf + data if self._buf else data
+        if b"\r" in buf:
+            buf = buf.replace(b"\r\n", b"\n")
+        events: list[SseEvent] = []
+        start = 0
+        find = buf.find
+        while True:
+            end = find(b"\n\n", start)
+            if end < 0:
+                break
+            events.append(classify(buf[start:end]))
+            start = end + 2
+        self._buf = buf[start:]
+        return events
+
+
+def classify(block: bytes) -> SseEvent:
+    """Classify one SSE event (its lines, without the terminating blank line)."""
+    size = len(block) + 2
+    if block.startswith(b"data:") and b"\n" not in block:
+        payload = block[5:]
+    else:
+        data_lines = []
+        for line in block.split(b"\n"):
+            if line.startswith(b"data:"):
+                data_lines.append(line[5:])
+        if not data_lines:
+            return SseEvent(size=size, kind="comment" if block.startswith(b":") else "other")
+        payload = b"\n".join(data_lines)
+    if payload.startswith(b" "):
+        payload = payload[1:]
+    if payload.startswith(b"[DONE]"):
+        return SseEvent(size=size, kind="done")
+    if not payload.startswith(b"{"):
+        return SseEvent(size=size, kind="other")
+    if _ERROR.match(payload):
+        return SseEvent(size=size, kind="error", error=_error_message(payload))
+    ev = SseEvent(size=size, kind="role", content=_CONTENT.search(payload) is not None)
+    if ev.content:
+        ev.kind = "content"
+    found = _FINISH.search(payload)
+    if found is not None:
+        ev.kind = "finish"
+        ev.finish_reason = found.group(1).decode("utf-8", "replace")
+    if _USAGE.search(payload) is not None:
+        ev.usage = _usage(payload)
+        if ev.usage is not None and ev.kind == "role":
+            ev.kind = "usage"
+    return ev
+
+
+def _usage(payload: bytes) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(payload)
+    except ValueError:
+        return None
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+def _error_message(payload: bytes) -> str:
+    try:
+        obj = json.loads(payload)
+    except ValueError:
+        return payload[:200].decode("utf-8", "replace")
+    if isinstance(obj, dict):
+        err = obj.get("error", obj)
+        if isinstance(err, dict):
+            return str(err.get("message") or err.get("type") or err)[:500]
+        return str(err)[:500]
+    return str(obj)[:500]
