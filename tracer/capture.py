@@ -64,18 +64,19 @@ class CaptureWriter:
 
     # ---- producer side ------------------------------------------------------------
 
-    def write(self, event: ev.Event) -> None:
+    def write(self, event: ev.Event, *, force: bool = False) -> None:
         self._tap = event.tap
-        self.write_record(event.to_record())
+        self.write_record(event.to_record(), force=force)
 
-    def write_record(self, record: dict[str, Any]) -> None:
+    def write_record(self, record: dict[str, Any], *, force: bool = False) -> None:
+        """Queue one record; drop and count it when the bound is reached (unless forced)."""
         try:
             line = (_encode(record) + "\n").encode("utf-8")
         except (TypeError, ValueError):
             line = (_encode({"type": "unencodable", "of": str(record.get("type"))}) + "\n").encode()
         size = len(line)
         with self._lock:
-            if self._batch_bytes + size > self._max_pending or self._stop:
+            if (self._batch_bytes + size > self._max_pending and not force) or self._stop:
                 self.dropped += 1
                 self.dropped_bytes += size
                 return
@@ -94,15 +95,15 @@ class CaptureWriter:
     def _run(self) -> None:
         while True:
             self._wake.wait()
-            stopping = self._stop
-            if not stopping:
+            if not self._stop:
                 time.sleep(self._interval)  # let a batch build up: fewer, larger writes
             self._wake.clear()
             with self._lock:
                 batch, self._batch, self._batch_bytes = self._batch, [], 0
+                stopping = self._stop  # read after the swap: nothing can be queued after it
             if batch:
                 self._write_batch(batch)
-            if stopping and not self._batch:
+            if stopping:
                 return
 
     def _write_batch(self, batch: list[bytes]) -> None:
@@ -163,7 +164,8 @@ class CaptureWriter:
                 records=self.written + len(self._batch) + 1,
                 dropped=self.dropped,
                 reason=reason,
-            )
+            ),
+            force=True,
         )
         self.close()
 

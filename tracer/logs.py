@@ -29,5 +29,5 @@ def configure(*, json: bool = False, level: str = "info", stream: Any = None) ->
             logging.getLevelNamesMapping()[level.upper()]
         ),
         logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stderr),
-        cache_logger_on_first_use=True,
+        cache_logger_on_first_use=False,
     )

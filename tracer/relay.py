@@ -15,7 +15,9 @@ preface on this plain HTTP/1.1 listener), which no HTTP/1.1 upstream could take.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import os
 import socket
 import struct
 import termios
@@ -288,7 +290,10 @@ class Tap:
         self._next_id += 1
         cid = self._next_id
         with structlog.contextvars.bound_contextvars(conn=cid, tap=self.config.name):
-            await self._relay(cid, client)
+            try:
+                await self._relay(cid, client)
+            except Exception:  # one connection's bug must never take the tap down
+                log.exception("connection handler failed")
 
     async def _relay(self, cid: int, client: SocketStream) -> None:
         cfg = self.config
@@ -509,7 +514,8 @@ class Tap:
         shutdown = self.stopping and outcome.closed_by is None
         if outcome.closed_by is None:
             outcome.closed_by, outcome.how = "tracer", "tracer"
-        in_flight = obs.in_flight
+            outcome.in_flight = obs.in_flight
+        in_flight = outcome.in_flight
         try:
             obs.close(now, shutdown=shutdown or outcome.closed_by == "tracer")
         except Exception:
@@ -605,6 +611,7 @@ class _Outcome:
         "fin_at_bytes",
         "fin_side",
         "how",
+        "in_flight",
         "reset_client",
         "reset_upstream",
         "upstream_opened",
@@ -618,10 +625,12 @@ class _Outcome:
         self.upstream_opened = False
         self.fin_side: ev.Direction | None = None
         self.fin_at_bytes: tuple[int, int] | None = None
+        self.in_flight = False  # a request was in flight when the first side closed
 
     def first(self, side: str, how: str, obs: ConnectionObserver | None = None) -> None:
         if self.closed_by is None:
             self.closed_by, self.how = side, how
+            self.in_flight = obs is not None and obs.in_flight
             if how == "fin" and obs is not None and side in ("client", "upstream"):
                 self.fin_side = "client" if side == "client" else "upstream"
                 self.fin_at_bytes = (obs.client_bytes, obs.upstream_bytes)
@@ -676,8 +685,11 @@ def _addr(value: Any) -> str:
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    if isinstance(exc, OSError) and exc.__cause__ is not None:
-        return _describe(exc.__cause__)
+    """A plain reason: 'Connection refused (ECONNREFUSED)' rather than asyncio's wording."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            name = errno.errorcode.get(seen.errno, str(seen.errno))
+            return f"{os.strerror(seen.errno)} ({name})"
+        seen = seen.__cause__
     return str(exc) or type(exc).__name__

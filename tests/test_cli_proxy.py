@@ -1,0 +1,288 @@
+"""`tracer proxy` as a real process: signals, kill -9, admin endpoint, JSON logs, analyze."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+from anyio.abc import Process
+from anyio.streams.buffered import BufferedByteReceiveStream
+from prometheus_client.parser import text_string_to_metric_families
+
+from tracer.capture import ReadStats, read_records
+from tracer.sim.engine import EngineConfig, SimEngine
+
+from .conftest import wait_until
+
+pytestmark = pytest.mark.anyio
+
+
+@dataclass
+class Proc:
+    process: Process
+    port: int
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@asynccontextmanager
+async def tracer_proxy(*args: str) -> AsyncIterator[Proc]:
+    cmd = [sys.executable, "-m", "tracer", *args]
+    process = await anyio.open_process(cmd, stdin=None)
+    assert process.stderr is not None
+    reader = BufferedByteReceiveStream(process.stderr)
+    lines: list[str] = []
+    try:
+        with anyio.fail_after(15):
+            while True:
+                line = (await reader.receive_until(b"\n", 65536)).decode()
+                lines.append(line)
+                found = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+                if found and line.startswith("tracer proxy"):
+                    break
+        proc = Proc(process=process, port=int(found.group(1)), lines=lines)
+        async with anyio.create_task_group() as tg:
+
+            async def drain() -> None:
+                try:
+                    while True:
+                        lines.append((await reader.receive_until(b"\n", 1 << 20)).decode())
+                except (anyio.EndOfStream, anyio.IncompleteRead, anyio.ClosedResourceError):
+                    return
+
+            tg.start_soon(drain)
+            yield proc
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+            with anyio.fail_after(10):
+                await process.wait()
+            tg.cancel_scope.cancel()
+    finally:
+        if process.returncode is None:
+            process.kill()
+        with anyio.CancelScope(shield=True):
+            await process.aclose()
+
+
+async def _stream_once(client: httpx.AsyncClient, url: str, rid: str) -> int:
+    body = {
+        "model": "m",
+        "stream": True,
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    events = 0
+    async with client.stream(
+        "POST",
+        url + "/v1/chat/completions",
+        json=body,
+        headers={"x-request-id": rid, "authorization": "Bearer sk-top-secret"},
+    ) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data:"):
+                events += 1
+    return events
+
+
+async def test_sigterm_flushes_and_exits_fast(tmp_path: Path) -> None:
+    engine = SimEngine(EngineConfig(tokens=5, ttft=0.0, itl=0.001))
+    capture = tmp_path / "cap.jsonl"
+    async with anyio.create_task_group() as tg:
+        host, port = await tg.start(engine.serve)
+        async with tracer_proxy(
+            "--log-json",
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            f"http://{host}:{port}",
+            "--capture",
+            str(capture),
+            "--tap",
+            "front",
+        ) as proc:
+            async with httpx.AsyncClient() as client:
+                for i in range(3):
+                    assert await _stream_once(client, proc.url, f"rid-{i}") == 7
+                # keep one connection open and idle while the tap stops
+                start = time.monotonic()
+                proc.process.send_signal(signal.SIGTERM)
+                with anyio.fail_after(5):
+                    code = await proc.process.wait()
+                elapsed = time.monotonic() - start
+        tg.cancel_scope.cancel()
+    assert code == 0
+    assert elapsed < 1.5, f"SIGTERM took {elapsed:.2f}s"
+    stats = ReadStats()
+    records = list(read_records(capture, stats))
+    assert records[0]["type"] == "capture_start" and records[-1]["type"] == "capture_end"
+    assert records[-1]["reason"] == "SIGTERM"
+    assert [r["request_id"] for r in records if r["type"] == "request"] == [
+        "rid-0",
+        "rid-1",
+        "rid-2",
+    ]
+    assert b"sk-top-secret" not in capture.read_bytes()
+    # JSON log lines: every line about a connection carries its id
+    logs = [json.loads(line) for line in proc.lines if line.startswith("{")]
+    assert any(line.get("event") == "stopping" for line in logs)
+
+
+async def test_kill_9_keeps_what_was_flushed(tmp_path: Path) -> None:
+    engine = SimEngine(EngineConfig(tokens=3, ttft=0.0, itl=0.0))
+    capture = tmp_path / "cap.jsonl"
+    async with anyio.create_task_group() as tg:
+        host, port = await tg.start(engine.serve)
+        async with tracer_proxy(
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            f"http://{host}:{port}",
+            "--capture",
+            str(capture),
+        ) as proc:
+            async with httpx.AsyncClient() as client:
+                for i in range(5):
+                    await _stream_once(client, proc.url, f"rid-{i}")
+
+                def flushed() -> bool:
+                    return capture.read_bytes().count(b'"type":"response_end"') >= 5
+
+                await wait_until(flushed)
+                proc.process.kill()
+                await proc.process.wait()
+        tg.cancel_scope.cancel()
+    stats = ReadStats()
+    records = list(read_records(capture, stats))
+    assert stats.bad_lines == 0
+    assert sum(1 for r in records if r["type"] == "response_end") == 5
+    assert records[-1]["type"] != "capture_end"
+
+
+async def test_admin_metrics_and_status(tmp_path: Path) -> None:
+    engine = SimEngine(EngineConfig(tokens=200, ttft=0.0, itl=0.02))
+    async with anyio.create_task_group() as tg:
+        host, port = await tg.start(engine.serve)
+        admin_port = await _free_port()
+        async with tracer_proxy(
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            f"http://{host}:{port}",
+            "--admin",
+            f"127.0.0.1:{admin_port}",
+            "--tap",
+            "adm",
+        ) as proc:
+            async with httpx.AsyncClient() as client:
+
+                async def long_stream() -> None:
+                    with contextlib.suppress(httpx.HTTPError):  # cut when the tap stops
+                        await _stream_once(client, proc.url, "long-one")
+
+                tg.start_soon(long_stream)
+
+                async def in_flight() -> dict[str, object]:
+                    r = await client.get(f"http://127.0.0.1:{admin_port}/status")
+                    return dict(r.json())
+
+                with anyio.fail_after(5):
+                    while True:
+                        status = await in_flight()
+                        conns = status["connections"]
+                        assert isinstance(conns, list)
+                        if conns and conns[0]["in_flight"]:
+                            break
+                        await anyio.sleep(0.02)
+                req = conns[0]["in_flight"][0]
+                assert req["seq"] == 1 and req["age"] >= 0 and "last_byte_age" in req
+                metrics = (await client.get(f"http://127.0.0.1:{admin_port}/metrics")).text
+        tg.cancel_scope.cancel()
+    families = {f.name: f for f in text_string_to_metric_families(metrics)}
+    assert families["tracer_connections_open"].samples[0].value == 1
+    assert families["tracer_requests_in_flight"].samples[0].value == 1
+    assert families["tracer_requests"].samples[0].labels == {"tap": "adm"}
+    for name in ("tracer_responses", "tracer_stalls", "tracer_capture_records_dropped"):
+        assert name in families
+
+
+async def test_admin_refuses_remote_bind_without_flag(tmp_path: Path) -> None:
+    result = await anyio.run_process(
+        [
+            sys.executable,
+            "-m",
+            "tracer",
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            "http://127.0.0.1:1",
+            "--admin",
+            "0.0.0.0:0",
+        ],
+        check=False,
+    )
+    assert result.returncode == 2
+    assert b"--admin-allow-remote" in result.stderr
+
+
+async def test_analyze_is_deterministic_and_reads_a_live_capture(tmp_path: Path) -> None:
+    engine = SimEngine(EngineConfig(tokens=4, ttft=0.0, itl=0.001))
+    capture = tmp_path / "cap.jsonl"
+    async with anyio.create_task_group() as tg:
+        host, port = await tg.start(engine.serve)
+        async with tracer_proxy(
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            f"http://{host}:{port}",
+            "--capture",
+            str(capture),
+        ) as proc:
+            async with httpx.AsyncClient() as client:
+                for i in range(3):
+                    await _stream_once(client, proc.url, f"r{i}")
+            await wait_until(lambda: capture.read_bytes().count(b'"type":"conn_close"') >= 1)
+            live = await anyio.run_process(
+                [sys.executable, "-m", "tracer", "analyze", str(capture), "--format", "json"]
+            )
+        tg.cancel_scope.cancel()
+    doc = json.loads(live.stdout)
+    assert doc["schema"] == "tracer.analysis/1"
+    assert [r["request_id"] for r in doc["requests"]] == ["r0", "r1", "r2"]
+    assert [r["seq"] for r in doc["requests"]] == [1, 2, 3]
+    assert all(r["termination"] == "complete" and r["done"] for r in doc["requests"])
+    outs = []
+    for fmt in ("json", "json", "text", "text"):
+        res = await anyio.run_process(
+            [sys.executable, "-m", "tracer", "analyze", str(capture), "--format", fmt]
+        )
+        outs.append(res.stdout)
+    assert outs[0] == outs[1] and outs[2] == outs[3]
+    assert b"requests" in outs[2] and b"r1" in outs[2]
+
+
+async def _free_port() -> int:
+    from anyio.abc import SocketAttribute
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    port = int(listener.extra(SocketAttribute.local_port))
+    await listener.aclose()
+    return port
