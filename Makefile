@@ -17,9 +17,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tracer demo
 
+LINT_DIRS := $(wildcard tracer addons tests bench)
+
 lint: $(STAMP)
-	$(BIN)/ruff check tracer addons tests bench
-	$(BIN)/ruff format --check tracer addons tests bench
+	$(BIN)/ruff check $(LINT_DIRS)
+	$(BIN)/ruff format --check $(LINT_DIRS)
 	$(BIN)/mypy
 
 test: lint
