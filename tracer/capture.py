@@ -12,15 +12,15 @@ a ``capture_loss`` record as soon as writing works again, and in ``capture_end``
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
+import orjson
 import structlog
 
 from . import events as ev
@@ -30,7 +30,12 @@ log = structlog.get_logger("tracer.capture")
 FLUSH_INTERVAL = 0.05
 MAX_PENDING_BYTES = 32 * 1024 * 1024
 
-_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+_OPTS = orjson.OPT_APPEND_NEWLINE
+
+
+def encode_line(record: dict[str, Any]) -> bytes:
+    """One record as one JSON line (UTF-8, compact, newline-terminated)."""
+    return orjson.dumps(record, option=_OPTS)
 
 
 class CaptureWriter:
@@ -71,9 +76,9 @@ class CaptureWriter:
     def write_record(self, record: dict[str, Any], *, force: bool = False) -> None:
         """Queue one record; drop and count it when the bound is reached (unless forced)."""
         try:
-            line = (_encode(record) + "\n").encode("utf-8")
-        except (TypeError, ValueError):
-            line = (_encode({"type": "unencodable", "of": str(record.get("type"))}) + "\n").encode()
+            line = encode_line(record)
+        except TypeError:
+            line = encode_line({"type": "unencodable", "of": str(record.get("type"))})
         size = len(line)
         with self._lock:
             if (self._batch_bytes + size > self._max_pending and not force) or self._stop:
@@ -118,7 +123,7 @@ class CaptureWriter:
                 dropped_bytes=self.dropped_bytes,
                 reason=self._last_error or "writer too slow",
             )
-            batch.insert(0, (_encode(loss.to_record()) + "\n").encode())
+            batch.insert(0, encode_line(loss.to_record()))
         data = b"".join(batch)
         if self._torn:
             data = b"\n" + data  # end the torn fragment so the next record parses
@@ -203,12 +208,12 @@ def _read_lines(fh: Any, stats: ReadStats, name: str) -> Iterator[dict[str, Any]
         if not raw.endswith(b"\n"):
             stats.torn_tail = True
             try:
-                record = json.loads(raw)
+                record = orjson.loads(raw)
             except ValueError:
                 return
         else:
             try:
-                record = json.loads(raw)
+                record = orjson.loads(raw)
             except ValueError:
                 stats.bad_lines += 1
                 continue
@@ -244,10 +249,6 @@ def read_events(path: str | os.PathLike[str], stats: ReadStats | None = None) ->
 
 def write_all(path: str | os.PathLike[str], records: list[ev.Event]) -> None:
     """Write a whole capture synchronously (for tests and generated captures)."""
-    with open(path, "w", encoding="utf-8") as fh:
-        _write_lines(fh, records)
-
-
-def _write_lines(fh: TextIO, records: list[ev.Event]) -> None:
-    for event in records:
-        fh.write(_encode(event.to_record()) + "\n")
+    with open(path, "wb") as fh:
+        for event in records:
+            fh.write(encode_line(event.to_record()))

@@ -245,13 +245,19 @@ class Tap:
         ]
         log.info("tap listening", tap=cfg.name, listen=self.bound, upstream=cfg.upstream_url)
         try:
-            async with listener, anyio.create_task_group() as tg:
-                self._tg = tg
-                tg.start_soon(self._ticker)
-                task_status.started(self.bound)
-                await listener.serve(self._handle, task_group=tg)
+            with structlog.contextvars.bound_contextvars(tap=cfg.name):
+                await self._serve_listener(listener, task_status)
         finally:
             self._tg = None
+
+    async def _serve_listener(
+        self, listener: Any, task_status: TaskStatus[list[tuple[str, int]]]
+    ) -> None:
+        async with listener, anyio.create_task_group() as tg:
+            self._tg = tg
+            tg.start_soon(self._ticker)
+            task_status.started(self.bound)
+            await listener.serve(self._handle, task_group=tg)
 
     def stop(self) -> None:
         """Stop accepting and close every connection now (their requests end in flight)."""
@@ -289,7 +295,7 @@ class Tap:
     async def _handle(self, client: SocketStream) -> None:
         self._next_id += 1
         cid = self._next_id
-        with structlog.contextvars.bound_contextvars(conn=cid, tap=self.config.name):
+        with structlog.contextvars.bound_contextvars(conn=cid):
             try:
                 await self._relay(cid, client)
             except Exception:  # one connection's bug must never take the tap down
