@@ -21,8 +21,9 @@ _ALWAYS = frozenset(
         "x-amz-security-token",
     }
 )
-# Any other header whose name says it holds a credential.
-_LOOKS_SECRET = re.compile(r"(api[-_]?key|token|secret|passw|credential|session)", re.I)
+# Any other header whose name says it holds a credential (but not token counts such as
+# ``x-ratelimit-remaining-tokens``: they are evidence).
+_LOOKS_SECRET = re.compile(r"(api[-_]?key|token(?!s)|secret|passw|credential|session)", re.I)
 
 
 def is_secret(name: str) -> bool:

@@ -10,7 +10,10 @@ is told what the other side did by *mirroring*: a parsed request head is ``send(
 into ``_resp`` (with neutral framing: chunked, so that only its method and keep-alive
 matter), and a parsed response head and end into ``_req``. The mirrored bytes are
 discarded. When both cycles are done both connections start the next cycle, and
-pipelined requests held in ``_req``'s buffer are parsed.
+pipelined requests held in ``_req``'s buffer are parsed. If the client sends a request
+when no cycle can follow (the response said ``Connection: close`` or was HTTP/1.0, or the
+upstream already closed), it is parsed on fresh parsers so that it is still recorded; if
+the upstream has already closed, its response is settled at once as truncated.
 
 Rules:
 
@@ -21,9 +24,16 @@ Rules:
    time since the previous response ended (or since the connection opened).
 3. A response's termination is decided where the evidence is: the end of its framing
    (complete), an upstream EOF or reset before it (truncated), a client close before it
-   (client abort), the tap stopping (in flight), or a parse failure (unparsed).
-4. Memory per connection is bounded: header size by h11's ``max_incomplete_event_size``,
-   request bodies kept up to ``max_body_keep``, SSE fragments by the event size.
+   (client abort), the tap stopping (in flight), or a parse failure (unparsed). A
+   tunnel (``101`` or a ``2xx`` to ``CONNECT``) ends its response, complete, when it
+   starts; its bytes are only counted.
+4. Memory per connection is bounded: header size by h11's ``max_incomplete_event_size``
+   (a complete head larger than ``max_header_bytes`` is a parse failure too, so that the
+   outcome does not depend on how the bytes were cut), request bodies kept up to
+   ``max_body_keep``, SSE fragments by ``sse.MAX_EVENT``.
+5. Events do not depend on how the bytes were cut into reads, apart from how many
+   ``BodyData`` records share the response body (and, on malformed bytes, the wording
+   and offset of h11's error, which may differ by a byte or two).
 """
 
 from __future__ import annotations
@@ -67,11 +77,13 @@ class _Request:
         "finish_reason",
         "first_token_m",
         "head_m",
+        "in_chunk",
         "last_data_m",
         "max_gap",
         "method",
         "request_done",
         "resp_bytes",
+        "resp_chunked",
         "resp_head_m",
         "seq",
         "sse",
@@ -94,6 +106,8 @@ class _Request:
         self.status: int | None = None
         self.resp_head_m: float | None = None
         self.resp_bytes = 0
+        self.resp_chunked = False
+        self.in_chunk = False
         self.sse: SseSplitter | None = None
         self.events = 0
         self.comments = 0
@@ -130,6 +144,7 @@ class ConnectionObserver:
         self._wall = wall_offset
         self._bodies = bodies
         self._max_body_keep = max_body_keep
+        self._max_header = max_header_bytes
         self._req = h11.Connection(h11.SERVER, max_incomplete_event_size=max_header_bytes)
         self._resp = h11.Connection(h11.CLIENT, max_incomplete_event_size=max_header_bytes)
         self.blind = False
@@ -172,8 +187,8 @@ class ConnectionObserver:
     def client_data(self, data: bytes, m: float) -> None:
         self.client_bytes += len(data)
         self._activity(m)
-        if self.blind or self.tunnel:
-            return
+        if not data or self.blind or self.tunnel or self.client_closed_m is not None:
+            return  # (h11 would take b"" for EOF)
         try:
             self._req.receive_data(data)
             self._pump_requests(m)
@@ -183,7 +198,9 @@ class ConnectionObserver:
     def upstream_data(self, data: bytes, m: float) -> None:
         self.upstream_bytes += len(data)
         self._activity(m)
-        if self.blind or self.tunnel:
+        if not data or self.blind or self.tunnel or self.upstream_closed_m is not None:
+            return  # (h11 would take b"" for EOF)
+        if self.client_close == "reset" and not self._pending:  # torn down: nobody to answer
             return
         try:
             self._resp.receive_data(data)
@@ -299,15 +316,27 @@ class ConnectionObserver:
     # ---- requests ---------------------------------------------------------------------
 
     def _pump_requests(self, m: float) -> None:
-        req_conn = self._req
         while True:
-            event = req_conn.next_event()
+            if (
+                self._req.their_state is h11.MUST_CLOSE
+                and not self._pending
+                and self._req.trailing_data[0]
+            ):
+                self._fresh_parsers()  # a request after "Connection: close"
+            event = self._req.next_event()
             if event is h11.NEED_DATA:
                 return
             if event is h11.PAUSED:
-                if self._client_pending_m is None and req_conn.trailing_data[0]:
-                    self._client_pending_m = m
-                return
+                if not self._req.trailing_data[0]:
+                    return
+                if self._pending:  # sent before the response ended: pipelined
+                    if self._client_pending_m is None:
+                        self._client_pending_m = m
+                    return
+                if self.tunnel:
+                    return
+                self._fresh_parsers()  # every response ended, yet no cycle can follow
+                continue
             if isinstance(event, h11.Request):
                 self._on_request(event, m)
             elif isinstance(event, h11.Data):
@@ -315,12 +344,28 @@ class ConnectionObserver:
             elif isinstance(event, h11.EndOfMessage):
                 if self._receiving is not None:
                     self._end_request(self._receiving, m, complete=True)
-                self._resp.send(h11.EndOfMessage())
-                self._maybe_next_cycle(m)
+                if self._resp.our_state is h11.SEND_BODY:  # not mirrored: upstream closed
+                    self._resp.send(h11.EndOfMessage())
+                self._next_cycle()
             elif isinstance(event, h11.ConnectionClosed):
                 return
 
+    def _pump_client(self, m: float) -> None:
+        """Parse client bytes held back until a response ended (pipelined requests)."""
+        if self._req.their_state is h11.ERROR or self.tunnel:
+            return
+        try:
+            self._pump_requests(m)
+        except h11.ProtocolError as exc:
+            self._go_blind("client", exc, m)
+
     def _on_request(self, event: h11.Request, m: float) -> None:
+        size = len(event.method) + len(event.target) + 14  # "M T HTTP/1.1\r\n" + "\r\n"
+        size += sum(len(name) + len(value) + 4 for name, value in event.headers.raw_items())
+        if size > self._max_header:
+            raise h11.RemoteProtocolError(
+                f"request head of {size} bytes is over max_header_bytes ({self._max_header})"
+            )
         start_m = m
         pipelined = False
         if self._client_pending_m is not None:
@@ -371,6 +416,11 @@ class ConnectionObserver:
                 pipelined=pipelined,
             )
         )
+        if self.upstream_closed_m is not None:  # nothing can answer it any more
+            self._end_response(
+                req, m, "truncated", close=self.upstream_close, detail="upstream already closed"
+            )
+            return
         self._resp.send(h11.Request(method=event.method, target=b"/", headers=mirror))
 
     def _on_request_body(self, data: bytes) -> None:
@@ -418,53 +468,62 @@ class ConnectionObserver:
     # ---- responses --------------------------------------------------------------------
 
     def _pump_responses(self, m: float) -> None:
-        resp_conn = self._resp
         chunk_starts = 0
         body_size = 0
         sse_events: list[list[Any]] | None = None
         body_req: _Request | None = None
         raw: list[bytes] | None = [] if self._bodies == "all" else None
-        while True:
-            event = resp_conn.next_event()
-            if event is h11.NEED_DATA or event is h11.PAUSED:
-                break
-            if isinstance(event, h11.Data):
-                req = self._pending[0]
-                body_req = req
-                data = event.data
-                body_size += len(data)
-                if event.chunk_start:
-                    chunk_starts += 1
-                if raw is not None:
-                    raw.append(data)
-                if req.sse is not None:
-                    for sse in req.sse.feed(data):
-                        if sse_events is None:
-                            sse_events = []
-                        sse_events.append(sse.as_record())
-                        self._on_sse(req, sse, m)
-                continue
+        try:
+            while not self.blind:
+                event = self._resp.next_event()  # (_pump_client may renew the parsers)
+                if event is h11.NEED_DATA or event is h11.PAUSED:
+                    break
+                req = self._pending[0] if self._pending else None
+                if req is None:
+                    if isinstance(event, h11.Response | h11.InformationalResponse):
+                        raise h11.RemoteProtocolError("response without a request")
+                    if isinstance(event, h11.ConnectionClosed):
+                        break
+                    continue
+                if isinstance(event, h11.Data):
+                    body_req = req
+                    data = event.data
+                    body_size += len(data)
+                    if req.resp_chunked:  # h11's chunk_start is lost if a read ends at it
+                        if not req.in_chunk:
+                            chunk_starts += 1
+                        req.in_chunk = not event.chunk_end
+                    if raw is not None:
+                        raw.append(data)
+                    if req.sse is not None:
+                        for sse in req.sse.feed(data):
+                            if sse_events is None:
+                                sse_events = []
+                            sse_events.append(sse.as_record())
+                            self._on_sse(req, sse, m)
+                    continue
+                if body_req is not None:
+                    self._emit_body(body_req, m, body_size, chunk_starts, sse_events, raw)
+                    body_req, body_size, chunk_starts, sse_events = None, 0, 0, None
+                    raw = [] if raw is not None else None
+                if isinstance(event, h11.Response):
+                    self._on_response(event, req, m)
+                elif isinstance(event, h11.InformationalResponse):
+                    self._on_informational(event, req, m)
+                elif isinstance(event, h11.EndOfMessage):
+                    self._note_gap(req, m)
+                    self._end_response(req, m, "complete")
+                    if not self._client_gone():
+                        self._req.send(h11.EndOfMessage())
+                    self._next_cycle()
+                    self._pump_client(m)
+                elif isinstance(event, h11.ConnectionClosed):
+                    break
+        finally:  # bytes parsed before a failure are still reported
             if body_req is not None:
                 self._emit_body(body_req, m, body_size, chunk_starts, sse_events, raw)
-                body_req, body_size, chunk_starts, sse_events = None, 0, 0, None
-                raw = [] if raw is not None else None
-            if isinstance(event, h11.Response):
-                self._on_response(event, m)
-            elif isinstance(event, h11.InformationalResponse):
-                self._on_informational(event, m)
-            elif isinstance(event, h11.EndOfMessage):
-                req = self._pending[0]
-                self._end_response(req, m, "complete")
-                if not self._client_gone():
-                    self._req.send(h11.EndOfMessage())
-                self._maybe_next_cycle(m)
-            elif isinstance(event, h11.ConnectionClosed):
-                break
-        if body_req is not None:
-            self._emit_body(body_req, m, body_size, chunk_starts, sse_events, raw)
 
-    def _on_informational(self, event: h11.InformationalResponse, m: float) -> None:
-        req = self._pending[0]
+    def _on_informational(self, event: h11.InformationalResponse, req: _Request, m: float) -> None:
         self._emit(
             ev.Informational(
                 t=m + self._wall,
@@ -479,9 +538,16 @@ class ConnectionObserver:
             self._req.send(h11.InformationalResponse(status_code=event.status_code, headers=[]))
         if event.status_code == 101:
             self.tunnel = True
+            req.status, req.resp_head_m = 101, m
+            self._end_response(req, m, "complete", detail="switched protocols")
 
-    def _on_response(self, event: h11.Response, m: float) -> None:
-        req = self._pending[0]
+    def _on_response(self, event: h11.Response, req: _Request, m: float) -> None:
+        size = len(event.reason) + 15 + 2  # "HTTP/1.1 200 reason\r\n" + "\r\n"
+        size += sum(len(name) + len(value) + 4 for name, value in event.headers.raw_items())
+        if size > self._max_header:
+            raise h11.RemoteProtocolError(
+                f"response head of {size} bytes is over max_header_bytes ({self._max_header})"
+            )
         req.status = event.status_code
         req.resp_head_m = m
         req.last_data_m = m
@@ -494,7 +560,7 @@ class ConnectionObserver:
             elif name == b"transfer-encoding":
                 chunked = True
             elif name == b"content-type":
-                sse = value.startswith(b"text/event-stream")
+                sse = value.lower().startswith(b"text/event-stream")
             elif name == b"connection":
                 lowered = value.lower()
                 if b"close" in lowered:
@@ -503,6 +569,7 @@ class ConnectionObserver:
                     keep_alive = True
         if sse:
             req.sse = SseSplitter()
+        req.resp_chunked = chunked
         self._emit(
             ev.ResponseHead(
                 t=m + self._wall,
@@ -526,8 +593,9 @@ class ConnectionObserver:
             if not keep_alive:
                 mirror.append((b"connection", b"close"))
             self._req.send(h11.Response(status_code=event.status_code, headers=mirror))
-        if event.status_code == 101 or (req.method == "CONNECT" and 200 <= event.status_code < 300):
+        if req.method == "CONNECT" and 200 <= event.status_code < 300:
             self.tunnel = True
+            self._end_response(req, m, "complete", detail="tunnel")
 
     def _on_sse(self, req: _Request, sse: Any, m: float) -> None:
         kind = sse.kind
@@ -556,11 +624,7 @@ class ConnectionObserver:
         raw: list[bytes] | None,
     ) -> None:
         req.resp_bytes += size
-        if req.last_data_m is not None:
-            gap = m - req.last_data_m
-            if gap > req.max_gap:
-                req.max_gap = gap
-        req.last_data_m = m
+        self._note_gap(req, m)
         data = encoding = None
         if raw:
             data, encoding = _encode_body(b"".join(raw))
@@ -578,6 +642,11 @@ class ConnectionObserver:
                 data_encoding=encoding,
             )
         )
+
+    def _note_gap(self, req: _Request, m: float) -> None:
+        if req.last_data_m is not None and m - req.last_data_m > req.max_gap:
+            req.max_gap = m - req.last_data_m
+        req.last_data_m = m
 
     def _end_response(
         self,
@@ -661,7 +730,7 @@ class ConnectionObserver:
             h11.ERROR,
         )
 
-    def _maybe_next_cycle(self, m: float) -> None:
+    def _next_cycle(self) -> None:
         r, s = self._req, self._resp
         if (
             r.our_state is h11.DONE
@@ -671,7 +740,18 @@ class ConnectionObserver:
         ):
             r.start_next_cycle()
             s.start_next_cycle()
-            self._pump_requests(m)
+
+    def _fresh_parsers(self) -> None:
+        """New parsers for a request sent on a connection that was to close."""
+        old = (self._req, self._resp)
+        self._req = h11.Connection(h11.SERVER, max_incomplete_event_size=self._max_header)
+        self._resp = h11.Connection(h11.CLIENT, max_incomplete_event_size=self._max_header)
+        for new, prev in zip((self._req, self._resp), old, strict=True):
+            data, closed = prev.trailing_data  # unparsed bytes carry over
+            if data:
+                new.receive_data(data)
+            if closed:
+                new.receive_data(b"")
 
     def _cut_termination(self) -> ev.Termination:
         client, upstream = self.client_closed_m, self.upstream_closed_m
@@ -696,7 +776,12 @@ class ConnectionObserver:
         if self.blind:
             return
         self.blind = True
-        seq = self._pending[0].seq if self._pending else None
+        if direction == "client":
+            seq = None if self._receiving is None else self._receiving.seq
+            seen, parser = self.client_bytes, self._req
+        else:
+            seq = self._pending[0].seq if self._pending else None
+            seen, parser = self.upstream_bytes, self._resp
         self._emit(
             ev.Anomaly(
                 t=m + self._wall,
@@ -706,7 +791,7 @@ class ConnectionObserver:
                 seq=seq,
                 direction=direction,
                 error=str(exc) or type(exc).__name__,
-                offset=self.client_bytes if direction == "client" else self.upstream_bytes,
+                offset=max(0, seen - len(parser.trailing_data[0])),
             )
         )
 
@@ -715,7 +800,7 @@ def _openai_fields(body: bytes) -> dict[str, Any]:
     """model, stream, max_tokens and message count from an OpenAI-style JSON body."""
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
     if not isinstance(obj, dict):
         return {}

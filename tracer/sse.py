@@ -1,9 +1,12 @@
 """Incremental Server-Sent Events splitter and OpenAI chunk classifier.
 
-Chunk boundaries are not event boundaries: bytes are buffered until a blank line
-(``\\n\\n``, or ``\\r\\n\\r\\n``) ends an event. Classification reads the bytes with a
-few anchored regular expressions and parses JSON only for the rare events that need a
-value (finish reason, usage, error): a content chunk costs no ``json.loads``.
+Chunk boundaries are not event boundaries: bytes are buffered until a blank line ends
+an event (lines end with LF, CRLF or CR, as the SSE spec says; sizes count line ends as
+one LF); extra blank lines are not events. An event still open after ``MAX_EVENT`` bytes
+is not kept: the rest of it is only counted, and it is reported as ``other`` when its
+blank line comes. Classification reads the bytes with a few anchored regular expressions
+and parses JSON only for the rare events that need a value (finish reason, usage,
+error): a content chunk costs no ``json.loads``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+MAX_EVENT = 1 << 20  # bytes of one unfinished event kept in memory
 # Non-empty content in a chat delta, a completion's text, reasoning text or tool calls.
 _CONTENT = re.compile(
     rb'"(?:content|reasoning_content|text)"\s*:\s*"[^"]|"tool_calls"\s*:\s*\[\s*\{'
@@ -40,19 +44,23 @@ class SseEvent:
 class SseSplitter:
     """Feed body bytes, get completed events; ``pending`` says whether an event is cut."""
 
-    __slots__ = ("_buf",)
+    __slots__ = ("_buf", "_skipped")
 
     def __init__(self) -> None:
         self._buf = b""
+        self._skipped = 0  # bytes dropped from an event over MAX_EVENT
 
     @property
     def pending(self) -> int:
-        return len(self._buf)
+        return len(self._buf) + self._skipped
 
     def feed(self, data: bytes) -> list[SseEvent]:
         buf = self._buf + data if self._buf else data
-        if b"\r" in buf:
-            buf = buf.replace(b"\r\n", b"\n")
+        if b"\r" in buf:  # CRLF and a lone CR end a line too; a last CR waits for its LF
+            cr = buf.endswith(b"\r")
+            buf = (buf[:-1] if cr else buf).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+            if cr:
+                buf += b"\r"
         events: list[SseEvent] = []
         start = 0
         find = buf.find
@@ -60,9 +68,17 @@ class SseSplitter:
             end = find(b"\n\n", start)
             if end < 0:
                 break
-            events.append(classify(buf[start:end]))
+            if self._skipped:
+                events.append(SseEvent(size=self._skipped + end - start + 2, kind="other"))
+                self._skipped = 0
+            elif end > start:
+                events.append(classify(buf[start:end]))
             start = end + 2
-        self._buf = buf[start:]
+        rest = buf[start:]
+        if len(rest) > MAX_EVENT:  # keep 2 bytes: they may begin the blank line
+            self._skipped += len(rest) - 2
+            rest = rest[-2:]
+        self._buf = rest
         return events
 
 
@@ -77,7 +93,8 @@ def classify(block: bytes) -> SseEvent:
             if line.startswith(b"data:"):
                 data_lines.append(line[5:])
         if not data_lines:
-            return SseEvent(size=size, kind="comment" if block.startswith(b":") else "other")
+            comment = block.lstrip(b"\n").startswith(b":")  # after an odd blank line
+            return SseEvent(size=size, kind="comment" if comment else "other")
         payload = b"\n".join(data_lines)
     if payload.startswith(b" "):
         payload = payload[1:]
@@ -104,7 +121,7 @@ def classify(block: bytes) -> SseEvent:
 def _usage(payload: bytes) -> dict[str, Any] | None:
     try:
         obj = json.loads(payload)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     usage = obj.get("usage") if isinstance(obj, dict) else None
     return usage if isinstance(usage, dict) else None
@@ -113,7 +130,7 @@ def _usage(payload: bytes) -> dict[str, Any] | None:
 def _error_message(payload: bytes) -> str:
     try:
         obj = json.loads(payload)
-    except ValueError:
+    except (ValueError, RecursionError):
         return payload[:200].decode("utf-8", "replace")
     if isinstance(obj, dict):
         err = obj.get("error", obj)
