@@ -7,14 +7,15 @@ every head (``sniff.py``); this module takes over between a head and the end of 
 body, and is as strict as h11 0.16 about chunk framing (CRLF after the size line and
 after the data), so what it calls malformed is what h11-based clients reject.
 
-``BodyDecoder.feed(data)`` returns the body bytes found, the number of chunk headers
-seen, and, once the body has ended, how many of the fed bytes it used (the rest is the
+``BodyDecoder.feed(data)`` returns the body bytes found, the number of data chunks
+that started, and, once the body has ended, how many of the fed bytes it used (the rest is the
 start of the next message).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Literal
 
 Framing = Literal["length", "chunked", "close", "none"]
@@ -25,11 +26,23 @@ _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 
 
 class FramingError(Exception):
-    """The body's framing is not valid HTTP/1.1."""
+    """The body's framing is not valid HTTP/1.1.
+
+    ``at``: where the bad element starts, relative to the start of the bytes passed to
+    the failing ``feed`` (negative when it began in an earlier read); ``pieces`` and
+    ``chunks``: the body found in those bytes before it, so that what is reported does
+    not depend on how the bytes were cut.
+    """
+
+    def __init__(self, message: str, at: int = 0) -> None:
+        super().__init__(message)
+        self.at = at
+        self.pieces: list[bytes] = []
+        self.chunks = 0
 
 
 def body_framing(
-    method: str, status: int, headers: list[tuple[bytes, bytes]]
+    method: str, status: int, headers: Iterable[tuple[bytes, bytes]]
 ) -> tuple[Framing, int]:
     """How a response body is delimited: (framing, content length)."""
     if method == "HEAD" or status < 200 or status in (204, 304):
@@ -54,7 +67,7 @@ def body_framing(
 class BodyDecoder:
     """Finds one body's bytes and end in a stream of reads."""
 
-    __slots__ = ("_line", "_remaining", "_state", "done", "framing")
+    __slots__ = ("_count", "_line", "_remaining", "_state", "done", "framing")
 
     def __init__(self, framing: Framing, length: int = 0) -> None:
         self.framing = framing
@@ -62,6 +75,7 @@ class BodyDecoder:
         self._line = b""  # a chunk-size / trailer line split across reads
         # chunked states: size, data, data_crlf, trailer
         self._state = "size"
+        self._count = 0  # data chunks started in the current feed
         self.done = framing == "none"
 
     def feed(self, data: bytes) -> tuple[list[bytes], int, int]:
@@ -93,7 +107,16 @@ class BodyDecoder:
 
     def _chunked(self, data: bytes) -> tuple[list[bytes], int, int]:
         pieces: list[bytes] = []
-        headers = 0
+        self._count = 0
+        try:
+            used = self._chunked_into(data, pieces)
+        except FramingError as exc:
+            exc.pieces, exc.chunks = pieces, self._count
+            raise
+        return pieces, self._count, used
+
+    def _chunked_into(self, data: bytes, pieces: list[bytes]) -> int:
+        """Parse chunked framing; returns the bytes of ``data`` used."""
         pos = 0
         end = len(data)
         if self._line:
@@ -117,12 +140,12 @@ class BodyDecoder:
             if state == "data_crlf":
                 if end - pos < 2:
                     if data[pos:end] != b"\r"[: end - pos]:
-                        raise FramingError("chunk data not followed by CRLF")
+                        raise FramingError("chunk data not followed by CRLF", pos - carried)
                     self._line = data[pos:end]
                     pos = end
                     break
                 if data[pos : pos + 2] != b"\r\n":
-                    raise FramingError("chunk data not followed by CRLF")
+                    raise FramingError("chunk data not followed by CRLF", pos - carried)
                 pos += 2
                 self._state = "size"
                 continue
@@ -130,19 +153,20 @@ class BodyDecoder:
             if nl < 0:
                 rest = data[pos:end]
                 if len(rest) > (MAX_TRAILERS if state == "trailer" else MAX_CHUNK_LINE):
-                    raise FramingError(f"chunk {state} line too long")
+                    raise FramingError(f"chunk {state} line too long", pos - carried)
                 self._line = rest
                 pos = end
                 break
             line = data[pos:nl]
+            line_at = pos - carried
             pos = nl + 2
             if state == "size":
                 size_field = line.split(b";", 1)[0].strip(b" \t")
                 if len(line) > MAX_CHUNK_LINE or not _HEX.fullmatch(size_field):
-                    raise FramingError(f"illegal chunk header: {line[:40]!r}")
-                headers += 1
+                    raise FramingError(f"illegal chunk header: {line[:40]!r}", line_at)
                 size = int(size_field, 16)
                 if size:
+                    self._count += 1  # data chunks only: the last chunk is not counted
                     self._remaining = size
                     self._state = "data"
                 else:
@@ -150,5 +174,5 @@ class BodyDecoder:
             else:  # trailer lines until an empty line
                 if not line:
                     self.done = True
-                    return pieces, headers, pos - carried
-        return pieces, headers, end - carried
+                    return pos - carried
+        return end - carried

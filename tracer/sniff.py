@@ -3,23 +3,26 @@
 Theory of operation
 -------------------
 The observer is fed exactly the bytes the relay forwards, with their arrival time; it
-never touches a socket or a clock. It uses two ``h11.Connection`` objects, one per
-direction: ``_req`` plays the server and parses the client's bytes, ``_resp`` plays the
-client and parses the upstream's bytes. h11 is a two-party state machine, so each side
-is told what the other side did by *mirroring*: a parsed request head is ``send()``-ed
-into ``_resp`` (with neutral framing: chunked, so that only its method and keep-alive
-matter), and a parsed response head and end into ``_req``. The mirrored bytes are
-discarded. When both cycles are done both connections start the next cycle, and
-pipelined requests held in ``_req``'s buffer are parsed. If the client sends a request
-when no cycle can follow (the response said ``Connection: close`` or was HTTP/1.0, or the
-upstream already closed), it is parsed on fresh parsers so that it is still recorded; if
-the upstream has already closed, its response is settled at once as truncated.
+never touches a socket or a clock. Requests are parsed by an ``h11.Connection`` playing
+the server (``_req``). h11 is a two-party state machine, so it is told what the other
+side did by *mirroring*: each parsed response head and end is ``send()``-ed into it
+(with neutral framing; the bytes are discarded). When its cycle is done it starts the
+next, and pipelined requests held in its buffer are parsed.
+
+Responses are the hot path (one read per SSE event on a paced stream), so h11 parses
+only their heads, on a small client-role connection made for each response; from the
+end of the head to the end of the body ``framing.BodyDecoder`` finds the body's bytes
+and end (as strict as h11 about chunk framing) at a few microseconds per read; bytes
+after the end start the next response. If the client sends a request when no cycle can
+follow (the response said ``Connection: close`` or was HTTP/1.0, or the upstream already
+closed), it is parsed on a fresh parser so that it is still recorded; if the upstream
+has already closed, its response is settled at once as truncated.
 
 Rules:
 
-1. Observation never affects forwarding. Any parse failure (``RemoteProtocolError``)
-   or mirroring failure (``LocalProtocolError``) is recorded once as an ``Anomaly`` and
-   the observer goes *blind*: it only counts bytes from then on.
+1. Observation never affects forwarding. Any parse failure (``RemoteProtocolError``,
+   ``FramingError``) or mirroring failure (``LocalProtocolError``) is recorded once as
+   an ``Anomaly`` and the observer goes *blind*: it only counts bytes from then on.
 2. Requests are numbered 1, 2, 3 ... in order on the connection; ``idle_before`` is the
    time since the previous response ended (or since the connection opened).
 3. A response's termination is decided where the evidence is: the end of its framing
@@ -49,6 +52,7 @@ from typing import Any, Literal
 import h11
 
 from . import events as ev
+from .framing import BodyDecoder, FramingError, body_framing
 from .redact import redact_headers
 from .sse import SseSplitter
 
@@ -77,13 +81,12 @@ class _Request:
         "finish_reason",
         "first_token_m",
         "head_m",
-        "in_chunk",
         "last_data_m",
         "max_gap",
         "method",
+        "mirror",
         "request_done",
         "resp_bytes",
-        "resp_chunked",
         "resp_head_m",
         "seq",
         "sse",
@@ -98,6 +101,7 @@ class _Request:
         self.head_m = head_m
         self.method = method
         self.content_type_json = json_body
+        self.mirror: list[tuple[bytes, bytes]] = [(b"host", b"t")]  # for the head parser
         self.body_bytes = 0
         self.body_hash = hashlib.sha256()
         self.body_parts: list[bytes] | None = []
@@ -106,8 +110,6 @@ class _Request:
         self.status: int | None = None
         self.resp_head_m: float | None = None
         self.resp_bytes = 0
-        self.resp_chunked = False
-        self.in_chunk = False
         self.sse: SseSplitter | None = None
         self.events = 0
         self.comments = 0
@@ -146,7 +148,9 @@ class ConnectionObserver:
         self._max_body_keep = max_body_keep
         self._max_header = max_header_bytes
         self._req = h11.Connection(h11.SERVER, max_incomplete_event_size=max_header_bytes)
-        self._resp = h11.Connection(h11.CLIENT, max_incomplete_event_size=max_header_bytes)
+        self._head: h11.Connection | None = None  # parses the head of the next response
+        self._body: BodyDecoder | None = None  # finds the end of the current body
+        self._up_offset = 0  # upstream bytes consumed by parsing (for anomaly offsets)
         self.blind = False
         self.tunnel = False
         self.seq = 0
@@ -203,9 +207,8 @@ class ConnectionObserver:
         if self.client_close == "reset" and not self._pending:  # torn down: nobody to answer
             return
         try:
-            self._resp.receive_data(data)
-            self._pump_responses(m)
-        except h11.ProtocolError as exc:
+            self._pump_responses(data, m)
+        except (h11.ProtocolError, FramingError) as exc:
             self._go_blind("upstream", exc, m)
 
     def client_eof(self, m: float, *, reset: bool) -> None:
@@ -235,10 +238,9 @@ class ConnectionObserver:
         if not (self.blind or self.tunnel):
             try:
                 if reset:
-                    raise h11.RemoteProtocolError("connection reset by upstream")
-                self._resp.receive_data(b"")
-                self._pump_responses(m)
-            except h11.ProtocolError as exc:
+                    raise FramingError("connection reset by upstream")
+                self._upstream_ended(m)
+            except (h11.ProtocolError, FramingError) as exc:
                 if self._pending:
                     self._finish_all(m, self._cut_termination(), close=close, detail=str(exc))
                 return
@@ -344,8 +346,6 @@ class ConnectionObserver:
             elif isinstance(event, h11.EndOfMessage):
                 if self._receiving is not None:
                     self._end_request(self._receiving, m, complete=True)
-                if self._resp.our_state is h11.SEND_BODY:  # not mirrored: upstream closed
-                    self._resp.send(h11.EndOfMessage())
                 self._next_cycle()
             elif isinstance(event, h11.ConnectionClosed):
                 return
@@ -376,7 +376,7 @@ class ConnectionObserver:
         content_length: int | None = None
         chunked = expect = json_body = False
         request_id: str | None = None
-        mirror: list[tuple[bytes, bytes]] = [(b"host", b"tap"), (b"transfer-encoding", b"chunked")]
+        upgrade: list[tuple[bytes, bytes]] = []
         for name, value in headers:
             if name == b"content-length":
                 content_length = int(value)
@@ -389,11 +389,10 @@ class ConnectionObserver:
             elif name == b"content-type":
                 json_body = b"json" in value.lower()
             elif name in (b"connection", b"upgrade"):
-                mirror.append((name, value))
-        if event.http_version != b"1.1" and not any(n == b"connection" for n, _ in mirror):
-            mirror.append((b"connection", b"close"))
+                upgrade.append((name, value))
         method = event.method.decode("latin-1")
         req = _Request(self.seq, start_m, method, json_body)
+        req.mirror += upgrade  # so that the head parser accepts a 101 to an Upgrade
         self._pending.append(req)
         self._receiving = req
         idle = max(0.0, start_m - self._last_end_m) if len(self._pending) == 1 else 0.0
@@ -421,7 +420,6 @@ class ConnectionObserver:
                 req, m, "truncated", close=self.upstream_close, detail="upstream already closed"
             )
             return
-        self._resp.send(h11.Request(method=event.method, target=b"/", headers=mirror))
 
     def _on_request_body(self, data: bytes) -> None:
         req = self._receiving
@@ -467,61 +465,110 @@ class ConnectionObserver:
 
     # ---- responses --------------------------------------------------------------------
 
-    def _pump_responses(self, m: float) -> None:
-        chunk_starts = 0
-        body_size = 0
-        sse_events: list[list[Any]] | None = None
+    def _pump_responses(self, data: bytes, m: float) -> None:
+        """Heads through h11, bodies through the decoder, body bytes batched per read."""
         body_req: _Request | None = None
+        size = chunks = 0
+        sse_events: list[list[Any]] | None = None
         raw: list[bytes] | None = [] if self._bodies == "all" else None
         try:
-            while not self.blind:
-                event = self._resp.next_event()  # (_pump_client may renew the parsers)
-                if event is h11.NEED_DATA or event is h11.PAUSED:
-                    break
-                req = self._pending[0] if self._pending else None
-                if req is None:
-                    if isinstance(event, h11.Response | h11.InformationalResponse):
-                        raise h11.RemoteProtocolError("response without a request")
-                    if isinstance(event, h11.ConnectionClosed):
-                        break
-                    continue
-                if isinstance(event, h11.Data):
-                    body_req = req
-                    data = event.data
-                    body_size += len(data)
-                    if req.resp_chunked:  # h11's chunk_start is lost if a read ends at it
-                        if not req.in_chunk:
-                            chunk_starts += 1
-                        req.in_chunk = not event.chunk_end
-                    if raw is not None:
-                        raw.append(data)
-                    if req.sse is not None:
-                        for sse in req.sse.feed(data):
-                            if sse_events is None:
-                                sse_events = []
-                            sse_events.append(sse.as_record())
-                            self._on_sse(req, sse, m)
-                    continue
-                if body_req is not None:
-                    self._emit_body(body_req, m, body_size, chunk_starts, sse_events, raw)
-                    body_req, body_size, chunk_starts, sse_events = None, 0, 0, None
+            while data and not (self.blind or self.tunnel):
+                body = self._body
+                if body is not None:
+                    req = self._pending[0]
+                    try:
+                        pieces, headers, used = body.feed(data)
+                    except FramingError as exc:  # report what came before the bad bytes
+                        self._up_offset += exc.at
+                        pieces, headers, used = exc.pieces, exc.chunks, 0
+                        failure: FramingError | None = exc
+                    else:
+                        failure = None
+                    self._up_offset += used
+                    if pieces or headers:
+                        body_req = req
+                    chunks += headers
+                    splitter = req.sse
+                    for piece in pieces:
+                        size += len(piece)
+                        if raw is not None:
+                            raw.append(piece)
+                        if splitter is not None:
+                            for sse in splitter.feed(piece):
+                                if sse_events is None:
+                                    sse_events = []
+                                sse_events.append(sse.as_record())
+                                self._on_sse(req, sse, m)
+                    if failure is not None:
+                        raise failure
+                    if not body.done:
+                        return
+                    data = data[used:]
+                    if body_req is not None:
+                        self._emit_body(req, m, size, chunks, sse_events, raw)
+                    body_req, size, chunks, sse_events = None, 0, 0, None
                     raw = [] if raw is not None else None
-                if isinstance(event, h11.Response):
-                    self._on_response(event, req, m)
-                elif isinstance(event, h11.InformationalResponse):
-                    self._on_informational(event, req, m)
-                elif isinstance(event, h11.EndOfMessage):
-                    self._note_gap(req, m)
-                    self._end_response(req, m, "complete")
-                    if not self._client_gone():
-                        self._req.send(h11.EndOfMessage())
-                    self._next_cycle()
-                    self._pump_client(m)
-                elif isinstance(event, h11.ConnectionClosed):
-                    break
+                    self._body_ended(req, m)
+                    continue
+                if not self._pending:
+                    raise h11.RemoteProtocolError("response without a request")
+                data = self._parse_head(data, m)
         finally:  # bytes parsed before a failure are still reported
             if body_req is not None:
-                self._emit_body(body_req, m, body_size, chunk_starts, sse_events, raw)
+                self._emit_body(body_req, m, size, chunks, sse_events, raw)
+
+    def _parse_head(self, data: bytes, m: float) -> bytes:
+        """Feed the head parser; returns the bytes after a complete head (the body's)."""
+        req = self._pending[0]
+        head = self._head
+        if head is None:
+            head = self._head = h11.Connection(
+                h11.CLIENT, max_incomplete_event_size=self._max_header
+            )
+            head.send(h11.Request(method=req.method or "GET", target="/", headers=req.mirror))
+            head.send(h11.EndOfMessage())
+        head.receive_data(data)
+        while True:
+            event = head.next_event()
+            if event is h11.NEED_DATA or event is h11.PAUSED:
+                self._up_offset += len(data)
+                return b""
+            if isinstance(event, h11.InformationalResponse):
+                self._on_informational(event, req, m)
+                if self.tunnel:
+                    return b""
+                continue
+            if isinstance(event, h11.Response):
+                rest = head.trailing_data[0]
+                self._up_offset += len(data) - len(rest)
+                self._head = None
+                self._on_response(event, req, m)
+                if self.tunnel:
+                    return b""
+                framing, length = body_framing(req.method, event.status_code, event.headers)
+                self._body = BodyDecoder(framing, length)
+                if self._body.done:
+                    self._body_ended(req, m)
+                return rest
+            return b""  # ConnectionClosed: nothing more to parse
+
+    def _body_ended(self, req: _Request, m: float) -> None:
+        self._body = None
+        self._note_gap(req, m)
+        self._end_response(req, m, "complete")
+        if not self._client_gone():
+            self._req.send(h11.EndOfMessage())
+        self._next_cycle()
+        self._pump_client(m)
+
+    def _upstream_ended(self, m: float) -> None:
+        """Upstream EOF: ends a close-delimited body; any other open body or head is cut."""
+        body = self._body
+        if body is not None:
+            body.eof()  # raises FramingError unless the body is close-delimited
+            self._body_ended(self._pending[0], m)
+        elif self._head is not None and self._head.trailing_data[0]:
+            raise FramingError("peer closed inside a response head")
 
     def _on_informational(self, event: h11.InformationalResponse, req: _Request, m: float) -> None:
         self._emit(
@@ -569,7 +616,6 @@ class ConnectionObserver:
                     keep_alive = True
         if sse:
             req.sse = SseSplitter()
-        req.resp_chunked = chunked
         self._emit(
             ev.ResponseHead(
                 t=m + self._wall,
@@ -662,6 +708,7 @@ class ConnectionObserver:
         req.ended = True
         if self._pending and self._pending[0] is req:
             self._pending.popleft()
+            self._head = self._body = None  # whatever was parsing its response is done
         else:
             with contextlib.suppress(ValueError):
                 self._pending.remove(req)
@@ -731,27 +778,19 @@ class ConnectionObserver:
         )
 
     def _next_cycle(self) -> None:
-        r, s = self._req, self._resp
-        if (
-            r.our_state is h11.DONE
-            and r.their_state is h11.DONE
-            and s.our_state is h11.DONE
-            and s.their_state is h11.DONE
-        ):
+        r = self._req
+        if r.our_state is h11.DONE and r.their_state is h11.DONE:
             r.start_next_cycle()
-            s.start_next_cycle()
 
     def _fresh_parsers(self) -> None:
-        """New parsers for a request sent on a connection that was to close."""
-        old = (self._req, self._resp)
+        """A new request parser for a request sent on a connection that was to close."""
+        prev = self._req
         self._req = h11.Connection(h11.SERVER, max_incomplete_event_size=self._max_header)
-        self._resp = h11.Connection(h11.CLIENT, max_incomplete_event_size=self._max_header)
-        for new, prev in zip((self._req, self._resp), old, strict=True):
-            data, closed = prev.trailing_data  # unparsed bytes carry over
-            if data:
-                new.receive_data(data)
-            if closed:
-                new.receive_data(b"")
+        data, closed = prev.trailing_data  # unparsed bytes carry over
+        if data:
+            self._req.receive_data(data)
+        if closed:
+            self._req.receive_data(b"")
 
     def _cut_termination(self) -> ev.Termination:
         client, upstream = self.client_closed_m, self.upstream_closed_m
@@ -781,7 +820,11 @@ class ConnectionObserver:
             seen, parser = self.client_bytes, self._req
         else:
             seq = self._pending[0].seq if self._pending else None
-            seen, parser = self.upstream_bytes, self._resp
+        offset = (
+            max(0, seen - len(parser.trailing_data[0]))
+            if direction == "client"
+            else self._up_offset
+        )
         self._emit(
             ev.Anomaly(
                 t=m + self._wall,
@@ -791,7 +834,7 @@ class ConnectionObserver:
                 seq=seq,
                 direction=direction,
                 error=str(exc) or type(exc).__name__,
-                offset=max(0, seen - len(parser.trailing_data[0])),
+                offset=offset,
             )
         )
 

@@ -4,9 +4,9 @@ Chunk boundaries are not event boundaries: bytes are buffered until a blank line
 an event (lines end with LF, CRLF or CR, as the SSE spec says; sizes count line ends as
 one LF); extra blank lines are not events. An event still open after ``MAX_EVENT`` bytes
 is not kept: the rest of it is only counted, and it is reported as ``other`` when its
-blank line comes. Classification reads the bytes with a few anchored regular expressions
-and parses JSON only for the rare events that need a value (finish reason, usage,
-error): a content chunk costs no ``json.loads``.
+blank line comes. Classification finds a few keys with ``bytes.find`` and looks at the
+value after each; it parses JSON only for the rare events that need a value (usage,
+error): a content chunk costs no ``json.loads`` and no regular expression.
 """
 
 from __future__ import annotations
@@ -17,13 +17,57 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_EVENT = 1 << 20  # bytes of one unfinished event kept in memory
-# Non-empty content in a chat delta, a completion's text, reasoning text or tool calls.
-_CONTENT = re.compile(
-    rb'"(?:content|reasoning_content|text)"\s*:\s*"[^"]|"tool_calls"\s*:\s*\[\s*\{'
-)
-_FINISH = re.compile(rb'"finish_reason"\s*:\s*"([^"]*)"')
-_USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _ERROR = re.compile(rb'^\s*\{\s*"(?:error"\s*:|object"\s*:\s*"error")')
+_WS = b" \t\r\n"
+# Keys whose string value, when non-empty, is generated text (chat delta, completion
+# text, reasoning text); tool calls count when their list has an element.
+_TEXT_KEYS = (b'"content"', b'"text"', b'"reasoning_content"')
+
+
+def _value_at(payload: bytes, key: bytes, start: int = 0) -> int:
+    """Index of the first byte of the value after ``key`` and its colon, or -1."""
+    n = len(payload)
+    i = payload.find(key, start)
+    while i >= 0:
+        j = i + len(key)
+        while j < n and payload[j] in _WS:
+            j += 1
+        if j < n and payload[j] == 58:  # ":"
+            j += 1
+            while j < n and payload[j] in _WS:
+                j += 1
+            return j
+        i = payload.find(key, j)
+    return -1
+
+
+def _has_text(payload: bytes) -> bool:
+    for key in _TEXT_KEYS:
+        start = 0
+        while True:
+            j = _value_at(payload, key, start)
+            if j < 0:
+                break
+            if payload[j : j + 1] == b'"' and payload[j + 1 : j + 2] not in (b'"', b""):
+                return True
+            start = j
+    j = _value_at(payload, b'"tool_calls"')
+    if j >= 0 and payload[j : j + 1] == b"[":
+        k = j + 1
+        while k < len(payload) and payload[k] in _WS:
+            k += 1
+        return payload[k : k + 1] == b"{"
+    return False
+
+
+def _finish_reason(payload: bytes) -> str | None:
+    j = _value_at(payload, b'"finish_reason"')
+    if j < 0 or payload[j : j + 1] != b'"':
+        return None
+    end = payload.find(b'"', j + 1)
+    if end < 0:
+        return None
+    return payload[j + 1 : end].decode("utf-8", "replace")
 
 
 @dataclass(slots=True)
@@ -104,14 +148,15 @@ def classify(block: bytes) -> SseEvent:
         return SseEvent(size=size, kind="other")
     if _ERROR.match(payload):
         return SseEvent(size=size, kind="error", error=_error_message(payload))
-    ev = SseEvent(size=size, kind="role", content=_CONTENT.search(payload) is not None)
+    ev = SseEvent(size=size, kind="role", content=_has_text(payload))
     if ev.content:
         ev.kind = "content"
-    found = _FINISH.search(payload)
-    if found is not None:
+    reason = _finish_reason(payload)
+    if reason is not None:
         ev.kind = "finish"
-        ev.finish_reason = found.group(1).decode("utf-8", "replace")
-    if _USAGE.search(payload) is not None:
+        ev.finish_reason = reason
+    usage_at = _value_at(payload, b'"usage"')
+    if usage_at >= 0 and payload[usage_at : usage_at + 1] == b"{":
         ev.usage = _usage(payload)
         if ev.usage is not None and ev.kind == "role":
             ev.kind = "usage"
