@@ -278,3 +278,31 @@ async def test_no_descriptor_or_task_leaks(tmp_path: Path) -> None:
             assert not tap.tap.live
         tg.cancel_scope.cancel()
     assert tap.tap.stats.connections_total == 300
+
+
+async def test_idle_timeout_is_opt_in_and_spares_requests_in_flight(tmp_path: Path) -> None:
+    """--idle-timeout closes idle keep-alive connections, never one with a request open."""
+
+    async def slow_then_idle(stream: SocketStream, conn: UpConn) -> None:
+        await conn.wait_for(lambda c: b"\r\n\r\n" in c.received)
+        await stream.send(SSE_HEAD)
+        for _ in range(2):  # silences longer than the idle timeout, with a request open
+            await anyio.sleep(0.45)
+            await stream.send(EVENT)
+        await stream.send(b"0\r\n\r\n")
+        await conn.wait_for(lambda c: c.eof or c.reset, timeout=10)
+
+    upstream = RawUpstream(slow_then_idle)
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(upstream.serve)
+        async with running_tap(port, tmp_path, idle_timeout=0.3) as tap:
+            async with await anyio.connect_tcp("127.0.0.1", tap.port) as s:
+                await s.send(POST)
+                data, how = await recv_all(s, timeout=10)
+            await tap.wait_for(ev.ConnClose)
+        tg.cancel_scope.cancel()
+    assert how == "fin" and data.endswith(b"0\r\n\r\n")
+    end = next(e for e in tap.events() if isinstance(e, ev.ResponseEnd))
+    assert end.termination == "complete" and end.events == 2
+    close = next(e for e in tap.events() if isinstance(e, ev.ConnClose))
+    assert close.closed_by == "tracer" and not close.in_flight

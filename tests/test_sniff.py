@@ -1113,3 +1113,19 @@ def test_tracer_response_when_upstream_unreachable() -> None:
     assert not obs.in_flight
     obs.close(100.5, shutdown=False)
     assert len(of(events, ev.ResponseEnd)) == 1
+
+
+def test_pipelined_bytes_held_for_parsing_are_bounded() -> None:
+    """A client pipelining megabytes behind an open response: observer goes blind, no growth."""
+    from tracer.sniff import MAX_HELD_BYTES
+
+    events: list[ev.Event] = []
+    obs = ConnectionObserver(tap="t", conn=1, emit=events.append, wall_offset=0.0, opened_m=0.0)
+    get = b"GET /a HTTP/1.1\r\nhost: x\r\n\r\n"
+    obs.client_data(get, 1.0)
+    blob = b"POST /b HTTP/1.1\r\nhost: x\r\ncontent-length: 99999999\r\n\r\n" + b"x" * 65536
+    for i in range(40):
+        obs.client_data(blob, 2.0 + i)
+    anomalies = [e for e in events if isinstance(e, ev.Anomaly)]
+    assert len(anomalies) == 1 and str(MAX_HELD_BYTES) in anomalies[0].error
+    assert obs.blind and obs.client_bytes == len(get) + 40 * len(blob)

@@ -30,7 +30,8 @@ Rules:
    (client abort), the tap stopping (in flight), or a parse failure (unparsed). A
    tunnel (``101`` or a ``2xx`` to ``CONNECT``) ends its response, complete, when it
    starts; its bytes are only counted.
-4. Memory per connection is bounded: header size by h11's ``max_incomplete_event_size``
+4. Memory per connection is bounded: pipelined bytes held for parsing by
+   ``MAX_HELD_BYTES``, header size by h11's ``max_incomplete_event_size``
    (a complete head larger than ``max_header_bytes`` is a parse failure too, so that the
    outcome does not depend on how the bytes were cut), request bodies kept up to
    ``max_body_keep``, SSE fragments by ``sse.MAX_EVENT``.
@@ -61,6 +62,7 @@ Bodies = Literal["none", "requests", "all"]
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_BODY_KEEP = 16 * 1024 * 1024
+MAX_HELD_BYTES = 1024 * 1024  # pipelined client bytes held until the response ends
 StallDirection = Literal["upstream_silent", "client_not_reading", "client_silent"]
 
 
@@ -329,8 +331,13 @@ class ConnectionObserver:
             if event is h11.NEED_DATA:
                 return
             if event is h11.PAUSED:
-                if not self._req.trailing_data[0]:
+                held = len(self._req.trailing_data[0])
+                if not held:
                     return
+                if held > MAX_HELD_BYTES:
+                    raise h11.RemoteProtocolError(
+                        f"over {MAX_HELD_BYTES} bytes pipelined behind an open response"
+                    )
                 if self._pending:  # sent before the response ended: pipelined
                     if self._client_pending_m is None:
                         self._client_pending_m = m
