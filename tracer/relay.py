@@ -1,11 +1,19 @@
-"""The inline tap: a transparent anyio relay with an observer beside it.
+"""The inline tap: a transparent relay with an observer beside it.
 
-Per downstream connection one task group with two pumps (client -> upstream,
-upstream -> client). Bytes are forwarded as they arrive, unchanged; the observer sees
-the same bytes with their arrival time and turns them into events. The upstream
-connection is opened when the client's first bytes arrive and closed when either side
-closes: FIN is propagated as a half-close, a reset as a reset. Observation errors are
-caught and recorded; they can never stop forwarding.
+Structure is anyio (the tap's task group, the stall ticker, upstream connects with a
+deadline, cancellation on stop); the data path is asyncio ``Protocol`` callbacks under
+anyio's asyncio backend. Why: a paced LLM stream is one small read per token, and a
+callback that observes the bytes and writes them to the other transport costs one read
+and one write system call, with no task switch and no re-registration of the socket
+per read (which a stream ``receive()``/``send()`` pair pays every time). That is what
+keeps the tap's cost per event near nginx's.
+
+Per downstream connection one ``_Relay`` pins one upstream connection, opened when the
+client's first bytes arrive. Bytes are forwarded as they arrive, unchanged; the observer
+sees the same bytes with their arrival time. FIN is propagated as a half-close, a reset
+as a reset; backpressure is propagated by pausing the reading side while the writing
+side's buffer is above its high-water mark (and a client whose buffer stays full is
+"not reading"). Observation errors are caught and logged; they never stop forwarding.
 
 The tap answers by itself only where it must: 502 when the upstream cannot be reached,
 400 when the client's first bytes are not HTTP/1.x at all (a TLS handshake or an HTTP/2
@@ -14,6 +22,7 @@ preface on this plain HTTP/1.1 listener), which no HTTP/1.1 upstream could take.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import fcntl
@@ -23,14 +32,14 @@ import struct
 import termios
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import anyio
 import structlog
-from anyio.abc import SocketAttribute, SocketStream, TaskStatus
+from anyio.abc import TaskStatus
 
 from . import __version__
 from . import events as ev
@@ -94,37 +103,8 @@ class TapStats:
     stalls_active: int = 0
 
 
-class _Conn:
-    """What the tap knows about one live connection (for ticks and /status)."""
-
-    __slots__ = (
-        "client",
-        "client_fin_m",
-        "down_send_since",
-        "id",
-        "obs",
-        "opened_m",
-        "peer",
-        "scope",
-        "upstream",
-        "upstream_fin_m",
-    )
-
-    def __init__(self, cid: int, obs: ConnectionObserver, opened_m: float, peer: str) -> None:
-        self.id = cid
-        self.obs = obs
-        self.opened_m = opened_m
-        self.peer = peer
-        self.client: SocketStream | None = None
-        self.upstream: SocketStream | None = None
-        self.down_send_since: float | None = None
-        self.client_fin_m: float | None = None
-        self.upstream_fin_m: float | None = None
-        self.scope: anyio.CancelScope | None = None
-
-
 class Tap:
-    """One named observation point: listener, relay, observers, capture, stats."""
+    """One named observation point: listener, relays, observers, capture, stats."""
 
     def __init__(
         self,
@@ -137,7 +117,7 @@ class Tap:
         self.capture = capture
         self.stats = TapStats()
         self.sinks = list(sinks or [])
-        self.live: dict[int, _Conn] = {}
+        self.live: dict[int, _Relay] = {}
         self.stopping = False
         self._next_id = 0
         self._wall = time.time() - time.monotonic()
@@ -233,37 +213,43 @@ class Tap:
     ) -> None:
         """Listen and relay until cancelled or ``stop()``; ``tg.start`` gets the bound addresses."""
         cfg = self.config
-        listener = await anyio.create_tcp_listener(
-            local_host=cfg.listen_host, local_port=cfg.listen_port, reuse_port=False
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            lambda: _ClientSide(self), cfg.listen_host, cfg.listen_port, backlog=1024
         )
         self.bound = [
-            (
-                str(lst.extra(SocketAttribute.local_address)[0]),
-                int(lst.extra(SocketAttribute.local_port)),
-            )
-            for lst in listener.listeners
+            (str(sock.getsockname()[0]), int(sock.getsockname()[1])) for sock in server.sockets
         ]
         log.info("tap listening", tap=cfg.name, listen=self.bound, upstream=cfg.upstream_url)
         try:
             with structlog.contextvars.bound_contextvars(tap=cfg.name):
-                await self._serve_listener(listener, task_status)
+                async with anyio.create_task_group() as tg:
+                    self._tg = tg
+                    tg.start_soon(self._ticker)
+                    task_status.started(self.bound)
+                    await anyio.sleep_forever()
         finally:
             self._tg = None
-
-    async def _serve_listener(
-        self, listener: Any, task_status: TaskStatus[list[tuple[str, int]]]
-    ) -> None:
-        async with listener, anyio.create_task_group() as tg:
-            self._tg = tg
-            tg.start_soon(self._ticker)
-            task_status.started(self.bound)
-            await listener.serve(self._handle, task_group=tg)
+            server.close()
+            self.stopping = True
+            for relay in list(self.live.values()):
+                relay.shutdown()
 
     def stop(self) -> None:
         """Stop accepting and close every connection now (their requests end in flight)."""
         self.stopping = True
         if self._tg is not None:
             self._tg.cancel_scope.cancel()
+
+    def start_soon(self, fn: Callable[[], Coroutine[Any, Any, None]]) -> bool:
+        if self._tg is None:
+            return False
+        self._tg.start_soon(fn)
+        return True
+
+    def next_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
 
     async def _ticker(self) -> None:
         interval = max(0.05, min(0.25, self.config.stall_after / 4))
@@ -272,317 +258,37 @@ class Tap:
         while True:
             await anyio.sleep(interval)
             now = time.monotonic()
-            for conn in list(self.live.values()):
-                obs = conn.obs
+            for relay in list(self.live.values()):
+                obs = relay.obs
                 silent = now - obs.last_activity_m
                 if obs.in_flight and silent >= stall_after:
-                    blocked = conn.down_send_since is not None
-                    unsent = _unsent_bytes(conn.client)
                     try:
                         obs.tick(
-                            now, stall_after=stall_after, client_blocked=blocked, unsent=unsent
+                            now,
+                            stall_after=stall_after,
+                            client_blocked=relay.client_paused_since is not None,
+                            unsent=_unsent_bytes(relay.client),
                         )
                     except Exception:  # observation must never stop the tap
-                        log.exception("observer tick failed", conn=conn.id)
-                elif (
-                    idle_timeout is not None
-                    and not obs.in_flight
-                    and silent >= idle_timeout
-                    and conn.scope is not None
-                ):
-                    conn.scope.cancel()
-
-    async def _handle(self, client: SocketStream) -> None:
-        self._next_id += 1
-        cid = self._next_id
-        with structlog.contextvars.bound_contextvars(conn=cid):
-            try:
-                await self._relay(cid, client)
-            except Exception:  # one connection's bug must never take the tap down
-                log.exception("connection handler failed")
-
-    async def _relay(self, cid: int, client: SocketStream) -> None:
-        cfg = self.config
-        opened_m = time.monotonic()
-        _nodelay(client)
-        peer = _addr(client.extra(SocketAttribute.remote_address, None))
-        local = _addr(client.extra(SocketAttribute.local_address, None))
-        self.stats.connections_total += 1
-        self.stats.connections_open += 1
-        self.emit(
-            ev.ConnOpen(
-                t=opened_m + self._wall, m=opened_m, tap=cfg.name, conn=cid, peer=peer, local=local
-            )
-        )
-        obs = ConnectionObserver(
-            tap=cfg.name,
-            conn=cid,
-            emit=self._safe_emit,
-            wall_offset=self._wall,
-            opened_m=opened_m,
-            bodies=cfg.bodies,
-            max_header_bytes=cfg.max_header_bytes,
-            max_body_keep=cfg.max_body_keep,
-        )
-        conn = _Conn(cid, obs, opened_m, peer)
-        conn.client = client
-        self.live[cid] = conn
-        outcome = _Outcome()
-        try:
-            with anyio.CancelScope() as scope:
-                conn.scope = scope
-                await self._run_connection(conn, client, outcome)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._finish(conn, outcome)
-
-    async def _run_connection(self, conn: _Conn, client: SocketStream, outcome: _Outcome) -> None:
-        cfg = self.config
-        obs = conn.obs
-        try:
-            first = await client.receive(READ_SIZE)
-        except anyio.EndOfStream:
-            outcome.first("client", "fin")
-            return
-        except (anyio.BrokenResourceError, OSError):
-            outcome.first("client", "reset")
-            return
-        now = time.monotonic()
-        if first.startswith(_TLS_HANDSHAKE) or first.startswith(_H2_PREFACE):
-            self._observe(obs.client_data, first, now)
-            what = "TLS handshake" if first.startswith(_TLS_HANDSHAKE) else "HTTP/2 preface"
-            await self._answer(
-                conn, client, 400, "Bad Request", f"tracer: {what} on a plain HTTP/1.1 listener\n"
-            )
-            outcome.first("tracer", "tracer")
-            return
-        self._observe(obs.client_data, first, now)
-        addr = f"{cfg.upstream_host}:{cfg.upstream_port}"
-        start = time.monotonic()
-        self.emit(
-            ev.UpstreamConnect(
-                t=start + self._wall, m=start, tap=cfg.name, conn=conn.id, phase="start", addr=addr
-            )
-        )
-        try:
-            with anyio.fail_after(cfg.connect_timeout):
-                upstream = await anyio.connect_tcp(cfg.upstream_host, cfg.upstream_port)
-        except (OSError, TimeoutError) as exc:
-            done = time.monotonic()
-            error = (
-                _describe(exc)
-                if not isinstance(exc, TimeoutError)
-                else f"connect timed out after {cfg.connect_timeout:g}s"
-            )
-            self.emit(
-                ev.UpstreamConnect(
-                    t=done + self._wall,
-                    m=done,
-                    tap=cfg.name,
-                    conn=conn.id,
-                    phase="failed",
-                    addr=addr,
-                    error=error,
-                    elapsed=round(done - start, 6),
-                )
-            )
-            await self._answer(
-                conn, client, 502, "Bad Gateway", f"tracer: upstream {addr} unreachable: {error}\n"
-            )
-            outcome.first("tracer", "tracer")
-            return
-        done = time.monotonic()
-        _nodelay(upstream)
-        conn.upstream = upstream
-        self.emit(
-            ev.UpstreamConnect(
-                t=done + self._wall,
-                m=done,
-                tap=cfg.name,
-                conn=conn.id,
-                phase="done",
-                addr=addr,
-                local=_addr(upstream.extra(SocketAttribute.local_address, None)),
-                elapsed=round(done - start, 6),
-            )
-        )
-        outcome.upstream_opened = True
-        try:
-            await upstream.send(first)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            outcome.first("upstream", "reset")
-            self._observe_eof(obs.upstream_eof, time.monotonic(), reset=True)
-            return
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._pump_up, conn, client, upstream, outcome, tg.cancel_scope)
-            tg.start_soon(self._pump_down, conn, client, upstream, outcome, tg.cancel_scope)
-
-    async def _pump_up(
-        self,
-        conn: _Conn,
-        client: SocketStream,
-        upstream: SocketStream,
-        outcome: _Outcome,
-        scope: anyio.CancelScope,
-    ) -> None:
-        obs = conn.obs
-        receive, send = client.receive, upstream.send
-        while True:
-            try:
-                data = await receive(READ_SIZE)
-            except anyio.EndOfStream:
-                now = time.monotonic()
-                conn.client_fin_m = now
-                outcome.first("client", "fin", obs)
-                self._observe_eof(obs.client_eof, now, reset=False)
-                with contextlib.suppress(
-                    anyio.BrokenResourceError, anyio.ClosedResourceError, OSError
-                ):
-                    await upstream.send_eof()
-                return
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                outcome.first("client", "reset", obs)
-                self._observe_eof(obs.client_eof, time.monotonic(), reset=True)
-                outcome.reset_upstream = True
-                scope.cancel()
-                return
-            self._observe(obs.client_data, data, time.monotonic())
-            try:
-                await send(data)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                outcome.first("upstream", "reset", obs)
-                self._observe_eof(obs.upstream_eof, time.monotonic(), reset=True)
-                outcome.reset_client = True
-                scope.cancel()
-                return
-
-    async def _pump_down(
-        self,
-        conn: _Conn,
-        client: SocketStream,
-        upstream: SocketStream,
-        outcome: _Outcome,
-        scope: anyio.CancelScope,
-    ) -> None:
-        obs = conn.obs
-        receive, send = upstream.receive, client.send
-        while True:
-            try:
-                data = await receive(READ_SIZE)
-            except anyio.EndOfStream:
-                now = time.monotonic()
-                conn.upstream_fin_m = now
-                outcome.first("upstream", "fin", obs)
-                self._observe_eof(obs.upstream_eof, now, reset=False)
-                with contextlib.suppress(
-                    anyio.BrokenResourceError, anyio.ClosedResourceError, OSError
-                ):
-                    await client.send_eof()
-                return
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                outcome.first("upstream", "reset", obs)
-                self._observe_eof(obs.upstream_eof, time.monotonic(), reset=True)
-                outcome.reset_client = True
-                scope.cancel()
-                return
-            self._observe(obs.upstream_data, data, time.monotonic())
-            conn.down_send_since = time.monotonic()
-            try:
-                await send(data)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                outcome.first("client", "reset", obs)
-                self._observe_eof(obs.client_eof, time.monotonic(), reset=True)
-                outcome.reset_upstream = True
-                scope.cancel()
-                return
-            finally:
-                conn.down_send_since = None
-
-    async def _answer(
-        self, conn: _Conn, client: SocketStream, status: int, reason: str, body: str
-    ) -> None:
-        """Write the tap's own response (502/400), record it, and close."""
-        payload = body.encode()
-        head = (
-            f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\n"
-            f"content-length: {len(payload)}\r\nconnection: close\r\nx-tracer: {self.config.name}\r\n\r\n"
-        ).encode()
-        try:
-            conn.obs.tracer_response(time.monotonic(), status, reason)
-        except Exception:
-            log.exception("observer failed recording the tap's own response")
-        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            await client.send(head + payload)
-
-    async def _finish(self, conn: _Conn, outcome: _Outcome) -> None:
-        obs = conn.obs
-        now = time.monotonic()
-        shutdown = self.stopping and outcome.closed_by is None
-        if outcome.closed_by is None:
-            outcome.closed_by, outcome.how = "tracer", "tracer"
-            outcome.in_flight = obs.in_flight
-        in_flight = outcome.in_flight
-        try:
-            obs.close(now, shutdown=shutdown or outcome.closed_by == "tracer")
-        except Exception:
-            log.exception("observer close failed")
-        for stream, reset in (
-            (conn.client, outcome.reset_client),
-            (conn.upstream, outcome.reset_upstream),
-        ):
-            if stream is not None:
-                await _close(stream, reset=reset)
-        self.live.pop(conn.id, None)
-        self.stats.connections_open -= 1
-        self.stats.bytes_from_client += obs.client_bytes
-        self.stats.bytes_from_upstream += obs.upstream_bytes
-        self.emit(
-            ev.ConnClose(
-                t=now + self._wall,
-                m=now,
-                tap=self.config.name,
-                conn=conn.id,
-                closed_by=outcome.closed_by,
-                how=outcome.how,
-                half_close=outcome.half_close(obs),
-                in_flight=in_flight,
-                requests=obs.seq,
-                bytes_from_client=obs.client_bytes,
-                bytes_from_upstream=obs.upstream_bytes,
-                upstream_opened=outcome.upstream_opened,
-                duration=round(now - conn.opened_m, 6),
-            )
-        )
+                        log.exception("observer tick failed", conn=relay.id)
+                elif idle_timeout is not None and not obs.in_flight and silent >= idle_timeout:
+                    relay.close_by_tracer("idle timeout")
 
     # ---- guarded observation ------------------------------------------------------
 
-    def _safe_emit(self, event: ev.Event) -> None:
+    def safe_emit(self, event: ev.Event) -> None:
         try:
             self.emit(event)
         except Exception:
             log.exception("emitting an event failed", type=event.TYPE)
-
-    @staticmethod
-    def _observe(fn: Callable[[bytes, float], None], data: bytes, now: float) -> None:
-        try:
-            fn(data, now)
-        except Exception:
-            log.exception("observer failed; forwarding unchanged")
-
-    @staticmethod
-    def _observe_eof(fn: Callable[..., None], now: float, *, reset: bool) -> None:
-        try:
-            fn(now, reset=reset)
-        except Exception:
-            log.exception("observer failed at EOF")
 
     # ---- live status --------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
         conns = []
-        for conn in self.live.values():
-            obs = conn.obs
+        for relay in self.live.values():
+            obs = relay.obs
             requests = []
             for req in obs.in_flight_requests():
                 started = req.pop("started_m")
@@ -591,9 +297,9 @@ class Tap:
                 requests.append(req)
             conns.append(
                 {
-                    "conn": conn.id,
-                    "peer": conn.peer,
-                    "age": round(now - conn.opened_m, 3),
+                    "conn": relay.id,
+                    "peer": relay.peer,
+                    "age": round(now - relay.opened_m, 3),
                     "requests": obs.seq,
                     "idle": round(now - obs.last_activity_m, 3) if not obs.in_flight else 0.0,
                     "in_flight": requests,
@@ -609,78 +315,429 @@ class Tap:
         }
 
 
-class _Outcome:
-    """Who closed first and how; which side must be reset when the other was."""
+class _Relay:
+    """One client connection and its pinned upstream connection, driven by callbacks."""
 
-    __slots__ = (
-        "closed_by",
-        "fin_at_bytes",
-        "fin_side",
-        "how",
-        "in_flight",
-        "reset_client",
-        "reset_upstream",
-        "upstream_opened",
-    )
-
-    def __init__(self) -> None:
-        self.closed_by: Any = None
-        self.how: Any = None
-        self.reset_client = False
-        self.reset_upstream = False
-        self.upstream_opened = False
+    def __init__(self, tap: Tap, client: asyncio.Transport) -> None:
+        self.tap = tap
+        self.id = tap.next_id()
+        self.client = client
+        self.upstream: asyncio.Transport | None = None
+        self.opened_m = time.monotonic()
+        self.peer = _addr(client.get_extra_info("peername"))
+        self.local = _addr(client.get_extra_info("sockname"))
+        cfg = tap.config
+        self.obs = ConnectionObserver(
+            tap=cfg.name,
+            conn=self.id,
+            emit=tap.safe_emit,
+            wall_offset=tap._wall,
+            opened_m=self.opened_m,
+            bodies=cfg.bodies,
+            max_header_bytes=cfg.max_header_bytes,
+            max_body_keep=cfg.max_body_keep,
+        )
+        self.connecting = False
+        self.held: list[bytes] = []  # client bytes read while the upstream connects
+        self.client_eof = self.upstream_eof = False
+        self.client_lost = False
+        self.upstream_lost = True  # until an upstream connection exists
+        self.client_paused_since: float | None = None  # writes to the client backed up
+        self.finished = False
+        # who closed first, and how
+        self.closed_by: Literal["client", "upstream", "tracer", "none"] | None = None
+        self.how: Literal["fin", "reset", "tracer"] | None = None
+        self.in_flight_at_close = False
         self.fin_side: ev.Direction | None = None
-        self.fin_at_bytes: tuple[int, int] | None = None
-        self.in_flight = False  # a request was in flight when the first side closed
+        self.fin_at_bytes = (0, 0)
+        self.upstream_opened = False
+        _nodelay(client)
+        tap.stats.connections_total += 1
+        tap.stats.connections_open += 1
+        tap.live[self.id] = self
+        tap.emit(
+            ev.ConnOpen(
+                t=self.opened_m + tap._wall,
+                m=self.opened_m,
+                tap=cfg.name,
+                conn=self.id,
+                peer=self.peer,
+                local=self.local,
+            )
+        )
 
-    def first(self, side: str, how: str, obs: ConnectionObserver | None = None) -> None:
-        if self.closed_by is None:
-            self.closed_by, self.how = side, how
-            self.in_flight = obs is not None and obs.in_flight
-            if how == "fin" and obs is not None and side in ("client", "upstream"):
-                self.fin_side = "client" if side == "client" else "upstream"
-                self.fin_at_bytes = (obs.client_bytes, obs.upstream_bytes)
+    # ---- bytes --------------------------------------------------------------------
 
-    def half_close(self, obs: ConnectionObserver) -> ev.Direction | None:
+    def from_client(self, data: bytes) -> None:
+        now = time.monotonic()
+        if self.upstream is not None:
+            self._observe(self.obs.client_data, data, now)
+            if not self.upstream.is_closing():
+                self.upstream.write(data)
+            return
+        if self.finished or self.closed_by == "tracer":
+            return
+        if (
+            not self.connecting
+            and not self.held
+            and (data.startswith(_TLS_HANDSHAKE) or data.startswith(_H2_PREFACE))
+        ):
+            self._observe(self.obs.client_data, data, now)
+            what = "TLS handshake" if data.startswith(_TLS_HANDSHAKE) else "HTTP/2 preface"
+            self._answer(400, "Bad Request", f"tracer: {what} on a plain HTTP/1.1 listener\n")
+            return
+        self._observe(self.obs.client_data, data, now)
+        self.held.append(data)
+        if not self.connecting:
+            self.connecting = True
+            self.client.pause_reading()  # hold at most one read until the upstream is there
+            if not self.tap.start_soon(self._connect):
+                self.close_by_tracer("tap stopping")
+
+    def from_upstream(self, data: bytes) -> None:
+        self._observe(self.obs.upstream_data, data, time.monotonic())
+        if not self.client.is_closing():
+            self.client.write(data)
+
+    async def _connect(self) -> None:
+        tap, cfg = self.tap, self.tap.config
+        addr = f"{cfg.upstream_host}:{cfg.upstream_port}"
+        start = time.monotonic()
+        tap.emit(
+            ev.UpstreamConnect(
+                t=start + tap._wall, m=start, tap=cfg.name, conn=self.id, phase="start", addr=addr
+            )
+        )
+        loop = asyncio.get_running_loop()
+        try:
+            with anyio.fail_after(cfg.connect_timeout):
+                transport, _ = await loop.create_connection(
+                    lambda: _UpstreamSide(self), cfg.upstream_host, cfg.upstream_port
+                )
+        except (OSError, TimeoutError) as exc:
+            done = time.monotonic()
+            error = (
+                f"connect timed out after {cfg.connect_timeout:g}s"
+                if isinstance(exc, TimeoutError)
+                else _describe(exc)
+            )
+            tap.emit(
+                ev.UpstreamConnect(
+                    t=done + tap._wall,
+                    m=done,
+                    tap=cfg.name,
+                    conn=self.id,
+                    phase="failed",
+                    addr=addr,
+                    error=error,
+                    elapsed=round(done - start, 6),
+                )
+            )
+            if not self.finished and not self.client_lost:
+                self._answer(502, "Bad Gateway", f"tracer: upstream {addr} unreachable: {error}\n")
+            return
+        done = time.monotonic()
+        assert isinstance(transport, asyncio.Transport)
+        if self.finished or self.client_lost:  # the client went away meanwhile
+            transport.abort()
+            return
+        _nodelay(transport)
+        self.upstream = transport
+        self.upstream_lost = False
+        self.upstream_opened = True
+        tap.emit(
+            ev.UpstreamConnect(
+                t=done + tap._wall,
+                m=done,
+                tap=cfg.name,
+                conn=self.id,
+                phase="done",
+                addr=addr,
+                local=_addr(transport.get_extra_info("sockname")),
+                elapsed=round(done - start, 6),
+            )
+        )
+        held, self.held = self.held, []
+        for data in held:
+            transport.write(data)
+        if self.client_eof:
+            transport.write_eof()
+        else:
+            self.client.resume_reading()
+
+    # ---- ends -------------------------------------------------------------------------
+
+    def on_client_eof(self) -> None:
+        now = time.monotonic()
+        self.client_eof = True
+        self._first("client", "fin")
+        self._observe_eof(self.obs.client_eof, now, reset=False)
+        if self.upstream is not None and not self.upstream.is_closing():
+            if self.upstream.can_write_eof():
+                self.upstream.write_eof()
+        elif self.upstream is None and not self.connecting:
+            self.client.close()  # nothing was sent: nothing to wait for
+        self._maybe_close()
+
+    def on_upstream_eof(self) -> None:
+        now = time.monotonic()
+        self.upstream_eof = True
+        self._first("upstream", "fin")
+        self._observe_eof(self.obs.upstream_eof, now, reset=False)
+        if not self.client.is_closing() and self.client.can_write_eof():
+            self.client.write_eof()
+        self._maybe_close()
+
+    def on_client_lost(self, exc: Exception | None) -> None:
+        self.client_lost = True
+        if exc is not None and not self.client_eof and self.closed_by != "tracer":
+            self._first("client", "reset")
+            self._observe_eof(self.obs.client_eof, time.monotonic(), reset=True)
+            if self.upstream is not None:
+                _abort(self.upstream)  # propagate the reset
+        elif self.upstream is not None and not self.upstream.is_closing():
+            self.upstream.close()
+        self._maybe_finish()
+
+    def on_upstream_lost(self, exc: Exception | None) -> None:
+        self.upstream_lost = True
+        if exc is not None and not self.upstream_eof and self.closed_by != "tracer":
+            self._first("upstream", "reset")
+            self._observe_eof(self.obs.upstream_eof, time.monotonic(), reset=True)
+            _abort(self.client)  # propagate the reset
+        elif not self.client.is_closing():
+            self.client.close()
+        self._maybe_finish()
+
+    def _maybe_close(self) -> None:
+        """Both sides sent FIN: close both (their buffers are flushed first)."""
+        if self.client_eof and (self.upstream_eof or self.upstream is None):
+            if not self.client.is_closing():
+                self.client.close()
+            if self.upstream is not None and not self.upstream.is_closing():
+                self.upstream.close()
+
+    def _maybe_finish(self) -> None:
+        if self.client_lost and self.upstream_lost:
+            self.finish()
+
+    def close_by_tracer(self, reason: str) -> None:
+        """Idle timeout or a refused start: close both sides, the tap is the closer."""
+        self._first("tracer", "tracer")
+        self.client.close()
+        if self.upstream is not None:
+            self.upstream.close()
+        log.info("tap closed the connection", conn=self.id, reason=reason)
+
+    def shutdown(self) -> None:
+        """The tap is stopping: close both sides and settle the records now."""
+        self._first("tracer", "tracer")
+        if not self.client.is_closing():
+            self.client.close()
+        if self.upstream is not None and not self.upstream.is_closing():
+            self.upstream.close()
+        self.finish(shutdown=True)
+
+    def _answer(self, status: int, reason: str, body: str) -> None:
+        """Write the tap's own response (502/400), record it, and close."""
+        payload = body.encode()
+        head = (
+            f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            f"content-length: {len(payload)}\r\nconnection: close\r\n"
+            f"x-tracer: {self.tap.config.name}\r\n\r\n"
+        ).encode()
+        self._first("tracer", "tracer")
+        try:
+            self.obs.tracer_response(time.monotonic(), status, reason)
+        except Exception:
+            log.exception("observer failed recording the tap's own response", conn=self.id)
+        self.connecting = False
+        self.held = []
+        if not self.client.is_closing():
+            self.client.write(head + payload)
+            self.client.close()
+
+    def _first(
+        self, side: Literal["client", "upstream", "tracer"], how: Literal["fin", "reset", "tracer"]
+    ) -> None:
+        if self.closed_by is not None:
+            return
+        self.closed_by, self.how = side, how
+        self.in_flight_at_close = self.obs.in_flight
+        if how == "fin" and side != "tracer":
+            self.fin_side = side
+            self.fin_at_bytes = (self.obs.client_bytes, self.obs.upstream_bytes)
+
+    def _half_close(self) -> ev.Direction | None:
         """The side that sent FIN first, if the other side still sent bytes after it."""
-        if self.fin_side is None or self.fin_at_bytes is None:
-            return None
         client_then, upstream_then = self.fin_at_bytes
-        if self.fin_side == "client" and obs.upstream_bytes > upstream_then:
+        if self.fin_side == "client" and self.obs.upstream_bytes > upstream_then:
             return "client"
-        if self.fin_side == "upstream" and obs.client_bytes > client_then:
+        if self.fin_side == "upstream" and self.obs.client_bytes > client_then:
             return "upstream"
         return None
 
+    def finish(self, *, shutdown: bool = False) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        tap, obs = self.tap, self.obs
+        now = time.monotonic()
+        if self.closed_by is None:
+            self.closed_by, self.how = "tracer", "tracer"
+            self.in_flight_at_close = obs.in_flight
+        try:
+            obs.close(now, shutdown=shutdown or self.closed_by == "tracer")
+        except Exception:
+            log.exception("observer close failed", conn=self.id)
+        tap.live.pop(self.id, None)
+        tap.stats.connections_open -= 1
+        tap.stats.bytes_from_client += obs.client_bytes
+        tap.stats.bytes_from_upstream += obs.upstream_bytes
+        tap.emit(
+            ev.ConnClose(
+                t=now + tap._wall,
+                m=now,
+                tap=tap.config.name,
+                conn=self.id,
+                closed_by=self.closed_by,
+                how=self.how or "tracer",
+                half_close=self._half_close(),
+                in_flight=self.in_flight_at_close,
+                requests=obs.seq,
+                bytes_from_client=obs.client_bytes,
+                bytes_from_upstream=obs.upstream_bytes,
+                upstream_opened=self.upstream_opened,
+                duration=round(now - self.opened_m, 6),
+            )
+        )
 
-def _nodelay(stream: SocketStream) -> None:
-    sock = stream.extra(SocketAttribute.raw_socket, None)
+    # ---- backpressure -----------------------------------------------------------------
+
+    def client_write_paused(self) -> None:
+        self.client_paused_since = time.monotonic()
+        if self.upstream is not None and not self.upstream.is_closing():
+            self.upstream.pause_reading()
+
+    def client_write_resumed(self) -> None:
+        self.client_paused_since = None
+        if self.upstream is not None and not self.upstream.is_closing():
+            self.upstream.resume_reading()
+
+    def upstream_write_paused(self) -> None:
+        if not self.client.is_closing():
+            self.client.pause_reading()
+
+    def upstream_write_resumed(self) -> None:
+        if not self.client.is_closing():
+            self.client.resume_reading()
+
+    # ---- guarded observation ------------------------------------------------------
+
+    def _observe(self, fn: Callable[[bytes, float], None], data: bytes, now: float) -> None:
+        try:
+            fn(data, now)
+        except Exception:
+            log.exception("observer failed; forwarding unchanged", conn=self.id)
+
+    def _observe_eof(self, fn: Callable[..., None], now: float, *, reset: bool) -> None:
+        try:
+            fn(now, reset=reset)
+        except Exception:
+            log.exception("observer failed at EOF", conn=self.id)
+
+
+class _ClientSide(asyncio.Protocol):
+    """Callbacks of the accepted (downstream) socket."""
+
+    def __init__(self, tap: Tap) -> None:
+        self.tap = tap
+        self.relay: _Relay | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        if self.tap.stopping:
+            transport.abort()
+            return
+        self.relay = _Relay(self.tap, transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.relay is not None:
+            self.relay.from_client(data)
+
+    def eof_received(self) -> bool:
+        if self.relay is not None:
+            self.relay.on_client_eof()
+        return True  # keep the write side open: the response may still be coming
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.relay is not None:
+            self.relay.on_client_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.relay is not None:
+            self.relay.client_write_paused()
+
+    def resume_writing(self) -> None:
+        if self.relay is not None:
+            self.relay.client_write_resumed()
+
+
+class _UpstreamSide(asyncio.Protocol):
+    """Callbacks of the upstream socket of one relay."""
+
+    def __init__(self, relay: _Relay) -> None:
+        self.relay = relay
+
+    def data_received(self, data: bytes) -> None:
+        self.relay.from_upstream(data)
+
+    def eof_received(self) -> bool:
+        self.relay.on_upstream_eof()
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.relay.upstream is not None:
+            self.relay.on_upstream_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.relay.upstream_write_paused()
+
+    def resume_writing(self) -> None:
+        self.relay.upstream_write_resumed()
+
+
+def _nodelay(transport: asyncio.BaseTransport) -> None:
+    sock = transport.get_extra_info("socket")
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def _unsent_bytes(stream: SocketStream | None) -> int | None:
-    """Bytes queued in the kernel toward the peer and not yet acknowledged (SIOCOUTQ)."""
-    if stream is None:
+def _unsent_bytes(transport: asyncio.BaseTransport | None) -> int | None:
+    """Bytes queued toward the peer: in the transport's buffer plus the kernel's (SIOCOUTQ)."""
+    if transport is None or transport.is_closing():
         return None
-    sock = stream.extra(SocketAttribute.raw_socket, None)
+    sock = transport.get_extra_info("socket")
     if sock is None or sock.fileno() < 0:
         return None
     try:
         buf = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
     except OSError:
         return None
-    return int(struct.unpack("i", buf)[0])
+    assert isinstance(transport, asyncio.WriteTransport)
+    return int(struct.unpack("i", buf)[0]) + transport.get_write_buffer_size()
 
 
-async def _close(stream: SocketStream, *, reset: bool) -> None:
-    if reset:
-        sock = stream.extra(SocketAttribute.raw_socket, None)
-        if sock is not None and sock.fileno() >= 0:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    with contextlib.suppress(OSError, anyio.BrokenResourceError):
-        await stream.aclose()
+def _abort(transport: asyncio.BaseTransport) -> None:
+    """Close with a reset (SO_LINGER 0), as the peer did on the other side."""
+    if transport.is_closing() and not isinstance(transport, asyncio.Transport):
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.fileno() >= 0:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    assert isinstance(transport, asyncio.Transport)
+    transport.abort()
 
 
 def _addr(value: Any) -> str:
