@@ -1115,17 +1115,32 @@ def test_tracer_response_when_upstream_unreachable() -> None:
     assert len(of(events, ev.ResponseEnd)) == 1
 
 
-def test_pipelined_bytes_held_for_parsing_are_bounded() -> None:
-    """A client pipelining megabytes behind an open response: observer goes blind, no growth."""
-    from tracer.sniff import MAX_HELD_BYTES
-
+def test_pipelined_requests_are_parsed_as_they_arrive() -> None:
+    """A client pipelining megabytes behind an open response: parsed at once, nothing held."""
     events: list[ev.Event] = []
     obs = ConnectionObserver(tap="t", conn=1, emit=events.append, wall_offset=0.0, opened_m=0.0)
     get = b"GET /a HTTP/1.1\r\nhost: x\r\n\r\n"
     obs.client_data(get, 1.0)
-    blob = b"POST /b HTTP/1.1\r\nhost: x\r\ncontent-length: 99999999\r\n\r\n" + b"x" * 65536
+    head = b"POST /b HTTP/1.1\r\nhost: x\r\ncontent-length: 99999999\r\n\r\n"
+    obs.client_data(head, 2.0)
     for i in range(40):
-        obs.client_data(blob, 2.0 + i)
+        obs.client_data(b"x" * 65536, 3.0 + i)
+    assert not [e for e in events if isinstance(e, ev.Anomaly)]
+    heads = [e for e in events if isinstance(e, ev.RequestHead)]
+    assert [(h.seq, h.pipelined, h.m) for h in heads] == [(1, False, 1.0), (2, True, 2.0)]
+    assert obs._req is not None and not obs._req.trailing_data[0]  # nothing buffered
+
+
+def test_bytes_held_behind_an_upgrade_are_bounded() -> None:
+    from tracer.sniff import MAX_HELD_BYTES
+
+    events: list[ev.Event] = []
+    obs = ConnectionObserver(tap="t", conn=1, emit=events.append, wall_offset=0.0, opened_m=0.0)
+    obs.client_data(
+        b"GET /ws HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: ws\r\n\r\n", 1.0
+    )
+    for i in range(20):
+        obs.client_data(b"y" * 65536, 2.0 + i)
     anomalies = [e for e in events if isinstance(e, ev.Anomaly)]
     assert len(anomalies) == 1 and str(MAX_HELD_BYTES) in anomalies[0].error
-    assert obs.blind and obs.client_bytes == len(get) + 40 * len(blob)
+    assert obs.blind and obs.client_bytes > MAX_HELD_BYTES

@@ -3,26 +3,28 @@
 Theory of operation
 -------------------
 The observer is fed exactly the bytes the relay forwards, with their arrival time; it
-never touches a socket or a clock. Requests are parsed by an ``h11.Connection`` playing
-the server (``_req``). h11 is a two-party state machine, so it is told what the other
-side did by *mirroring*: each parsed response head and end is ``send()``-ed into it
-(with neutral framing; the bytes are discarded). When its cycle is done it starts the
-next, and pipelined requests held in its buffer are parsed.
+never touches a socket or a clock. h11 is a two-party state machine; a passive observer
+is neither party, so instead of one long-lived connection per direction (and mirroring
+each side's messages into the other to keep its state machine going) it uses a fresh,
+cheap ``h11.Connection`` per message:
 
-Responses are the hot path (one read per SSE event on a paced stream), so h11 parses
-only their heads, on a small client-role connection made for each response; from the
-end of the head to the end of the body ``framing.BodyDecoder`` finds the body's bytes
-and end (as strict as h11 about chunk framing) at a few microseconds per read; bytes
-after the end start the next response. If the client sends a request when no cycle can
-follow (the response said ``Connection: close`` or was HTTP/1.0, or the upstream already
-closed), it is parsed on a fresh parser so that it is still recorded; if the upstream
-has already closed, its response is settled at once as truncated.
+* each request is parsed, head and body, by a new server-role connection; the bytes
+  after its end start the next request at once (so pipelined requests are seen when
+  they arrive, and a request sent after ``Connection: close`` or after the upstream
+  closed is still recorded; if the upstream has already closed, its response is
+  settled at once as truncated). After a request that may switch protocols (Upgrade,
+  CONNECT), the client's bytes are held until the response says whether it did.
+* each response head is parsed by a new client-role connection told only the request's
+  method (and its Upgrade headers). Responses are the hot path (one read per SSE event
+  on a paced stream), so from the end of the head to the end of the body
+  ``framing.BodyDecoder`` finds the body's bytes and end (as strict as h11 about chunk
+  framing) at a few microseconds per read; bytes after the end start the next response.
 
 Rules:
 
 1. Observation never affects forwarding. Any parse failure (``RemoteProtocolError``,
-   ``FramingError``) or mirroring failure (``LocalProtocolError``) is recorded once as
-   an ``Anomaly`` and the observer goes *blind*: it only counts bytes from then on.
+   ``FramingError``) is recorded once as an ``Anomaly`` and the observer goes *blind*: it
+   only counts bytes from then on.
 2. Requests are numbered 1, 2, 3 ... in order on the connection; ``idle_before`` is the
    time since the previous response ended (or since the connection opened).
 3. A response's termination is decided where the evidence is: the end of its framing
@@ -30,7 +32,7 @@ Rules:
    (client abort), the tap stopping (in flight), or a parse failure (unparsed). A
    tunnel (``101`` or a ``2xx`` to ``CONNECT``) ends its response, complete, when it
    starts; its bytes are only counted.
-4. Memory per connection is bounded: pipelined bytes held for parsing by
+4. Memory per connection is bounded: bytes held behind a possible protocol switch by
    ``MAX_HELD_BYTES``, header size by h11's ``max_incomplete_event_size``
    (a complete head larger than ``max_header_bytes`` is a parse failure too, so that the
    outcome does not depend on how the bytes were cut), request bodies kept up to
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import json
 from collections import deque
@@ -62,7 +65,7 @@ Bodies = Literal["none", "requests", "all"]
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_BODY_KEEP = 16 * 1024 * 1024
-MAX_HELD_BYTES = 1024 * 1024  # pipelined client bytes held until the response ends
+MAX_HELD_BYTES = 1024 * 1024  # client bytes held while a protocol switch is undecided
 StallDirection = Literal["upstream_silent", "client_not_reading", "client_silent"]
 
 
@@ -85,6 +88,7 @@ class _Request:
         "head_m",
         "last_data_m",
         "max_gap",
+        "may_switch",
         "method",
         "mirror",
         "request_done",
@@ -104,6 +108,7 @@ class _Request:
         self.method = method
         self.content_type_json = json_body
         self.mirror: list[tuple[bytes, bytes]] = [(b"host", b"t")]  # for the head parser
+        self.may_switch = False  # Upgrade or CONNECT: a tunnel may follow the response
         self.body_bytes = 0
         self.body_hash = hashlib.sha256()
         self.body_parts: list[bytes] | None = []
@@ -149,7 +154,10 @@ class ConnectionObserver:
         self._bodies = bodies
         self._max_body_keep = max_body_keep
         self._max_header = max_header_bytes
-        self._req = h11.Connection(h11.SERVER, max_incomplete_event_size=max_header_bytes)
+        self._req: h11.Connection | None = None  # parses the current request
+        self._req_base = 0  # client bytes before the current request parser's first byte
+        self._held: bytes | None = None  # client bytes behind an undecided protocol switch
+        self._deferred: tuple[Exception, float, int] | None = None  # client parse failure
         self._head: h11.Connection | None = None  # parses the head of the next response
         self._body: BodyDecoder | None = None  # finds the end of the current body
         self._up_offset = 0  # upstream bytes consumed by parsing (for anomaly offsets)
@@ -159,7 +167,6 @@ class ConnectionObserver:
         self._pending: deque[_Request] = deque()  # requests whose response has not ended
         self._receiving: _Request | None = None  # request whose body is arriving
         self._last_end_m = opened_m
-        self._client_pending_m: float | None = None
         self.client_bytes = 0
         self.upstream_bytes = 0
         self.last_activity_m = opened_m
@@ -193,13 +200,24 @@ class ConnectionObserver:
     def client_data(self, data: bytes, m: float) -> None:
         self.client_bytes += len(data)
         self._activity(m)
-        if not data or self.blind or self.tunnel or self.client_closed_m is not None:
+        if (
+            not data
+            or self.blind
+            or self.tunnel
+            or self.client_closed_m is not None
+            or self._deferred is not None
+        ):
             return  # (h11 would take b"" for EOF)
-        try:
-            self._req.receive_data(data)
-            self._pump_requests(m)
-        except h11.ProtocolError as exc:
-            self._go_blind("client", exc, m)
+        if self._held is not None:
+            self._held += data
+            if len(self._held) > MAX_HELD_BYTES:
+                self._go_blind(
+                    "client",
+                    h11.RemoteProtocolError(f"over {MAX_HELD_BYTES} bytes sent behind an upgrade"),
+                    m,
+                )
+            return
+        self._feed_requests(data, m)
 
     def upstream_data(self, data: bytes, m: float) -> None:
         self.upstream_bytes += len(data)
@@ -218,10 +236,10 @@ class ConnectionObserver:
         if self.client_closed_m is None:
             self.client_closed_m = m
             self.client_close = "reset" if reset else "fin"
-        if not (self.blind or self.tunnel):
+        if not (self.blind or self.tunnel) and self._req is not None:
             try:
                 self._req.receive_data(b"")
-                self._pump_requests(m)
+                self._pump_request(m)
             except h11.ProtocolError as exc:
                 cut = self._receiving
                 if cut is not None and not cut.request_done:
@@ -319,52 +337,55 @@ class ConnectionObserver:
 
     # ---- requests ---------------------------------------------------------------------
 
-    def _pump_requests(self, m: float) -> None:
-        while True:
-            if (
-                self._req.their_state is h11.MUST_CLOSE
-                and not self._pending
-                and self._req.trailing_data[0]
-            ):
-                self._fresh_parsers()  # a request after "Connection: close"
-            event = self._req.next_event()
-            if event is h11.NEED_DATA:
-                return
-            if event is h11.PAUSED:
-                held = len(self._req.trailing_data[0])
-                if not held:
-                    return
-                if held > MAX_HELD_BYTES:
-                    raise h11.RemoteProtocolError(
-                        f"over {MAX_HELD_BYTES} bytes pipelined behind an open response"
+    def _feed_requests(self, data: bytes, m: float) -> None:
+        """Parse client bytes: each request on a fresh parser, the rest goes to the next."""
+        try:
+            while data:
+                if self._req is None:
+                    self._req = h11.Connection(
+                        h11.SERVER, max_incomplete_event_size=self._max_header
                     )
-                if self._pending:  # sent before the response ended: pipelined
-                    if self._client_pending_m is None:
-                        self._client_pending_m = m
-                    return
-                if self.tunnel:
-                    return
-                self._fresh_parsers()  # every response ended, yet no cycle can follow
-                continue
+                self._req.receive_data(data)
+                data = self._pump_request(m)
+        except h11.ProtocolError as exc:
+            if self._pending and self._receiving is None:
+                # Bad bytes behind requests still being answered: let their responses be
+                # seen first; the anomaly is recorded when the last of them ends.
+                self._deferred = (exc, m, self._client_offset())
+            else:
+                self._go_blind("client", exc, m)
+
+    def _pump_request(self, m: float) -> bytes:
+        """Events of the current request; returns the bytes after its end (if it ended)."""
+        parser = self._req
+        assert parser is not None
+        while True:
+            event = parser.next_event()
+            if event is h11.NEED_DATA or event is h11.PAUSED:
+                return b""
             if isinstance(event, h11.Request):
                 self._on_request(event, m)
             elif isinstance(event, h11.Data):
                 self._on_request_body(event.data)
             elif isinstance(event, h11.EndOfMessage):
-                if self._receiving is not None:
-                    self._end_request(self._receiving, m, complete=True)
-                self._next_cycle()
-            elif isinstance(event, h11.ConnectionClosed):
-                return
+                req = self._receiving
+                if req is not None:
+                    self._end_request(req, m, complete=True)
+                rest = parser.trailing_data[0]
+                self._req_base = self.client_bytes - len(rest)
+                self._req = None
+                if req is not None and req.may_switch and not req.ended:
+                    self._held = rest  # parsed once the response says whether it switched
+                    return b""
+                return rest
+            else:  # ConnectionClosed
+                return b""
 
-    def _pump_client(self, m: float) -> None:
-        """Parse client bytes held back until a response ended (pipelined requests)."""
-        if self._req.their_state is h11.ERROR or self.tunnel:
-            return
-        try:
-            self._pump_requests(m)
-        except h11.ProtocolError as exc:
-            self._go_blind("client", exc, m)
+    def _release_held(self, m: float) -> None:
+        """The response did not switch protocols: parse what the client sent meanwhile."""
+        held, self._held = self._held, None
+        if held:
+            self._feed_requests(held, m)
 
     def _on_request(self, event: h11.Request, m: float) -> None:
         size = len(event.method) + len(event.target) + 14  # "M T HTTP/1.1\r\n" + "\r\n"
@@ -374,10 +395,7 @@ class ConnectionObserver:
                 f"request head of {size} bytes is over max_header_bytes ({self._max_header})"
             )
         start_m = m
-        pipelined = False
-        if self._client_pending_m is not None:
-            start_m, pipelined = self._client_pending_m, True
-            self._client_pending_m = None
+        pipelined = bool(self._pending)  # sent before the previous response ended
         self.seq += 1
         headers = event.headers
         content_length: int | None = None
@@ -400,6 +418,7 @@ class ConnectionObserver:
         method = event.method.decode("latin-1")
         req = _Request(self.seq, start_m, method, json_body)
         req.mirror += upgrade  # so that the head parser accepts a 101 to an Upgrade
+        req.may_switch = method == "CONNECT" or any(n == b"upgrade" for n, _ in upgrade)
         self._pending.append(req)
         self._receiving = req
         idle = max(0.0, start_m - self._last_end_m) if len(self._pending) == 1 else 0.0
@@ -532,7 +551,7 @@ class ConnectionObserver:
             head = self._head = h11.Connection(
                 h11.CLIENT, max_incomplete_event_size=self._max_header
             )
-            head.send(h11.Request(method=req.method or "GET", target="/", headers=req.mirror))
+            head.send(_mirror_request(req.method or "GET", tuple(req.mirror)))
             head.send(h11.EndOfMessage())
         head.receive_data(data)
         while True:
@@ -563,10 +582,6 @@ class ConnectionObserver:
         self._body = None
         self._note_gap(req, m)
         self._end_response(req, m, "complete")
-        if not self._client_gone():
-            self._req.send(h11.EndOfMessage())
-        self._next_cycle()
-        self._pump_client(m)
 
     def _upstream_ended(self, m: float) -> None:
         """Upstream EOF: ends a close-delimited body; any other open body or head is cut."""
@@ -588,8 +603,6 @@ class ConnectionObserver:
                 status=event.status_code,
             )
         )
-        if not self._client_gone():
-            self._req.send(h11.InformationalResponse(status_code=event.status_code, headers=[]))
         if event.status_code == 101:
             self.tunnel = True
             req.status, req.resp_head_m = 101, m
@@ -641,14 +654,11 @@ class ConnectionObserver:
                 keep_alive=keep_alive,
             )
         )
-        if not self._client_gone():
-            mirror = [(b"transfer-encoding", b"chunked")]
-            if not keep_alive:
-                mirror.append((b"connection", b"close"))
-            self._req.send(h11.Response(status_code=event.status_code, headers=mirror))
         if req.method == "CONNECT" and 200 <= event.status_code < 300:
             self.tunnel = True
             self._end_response(req, m, "complete", detail="tunnel")
+        elif self._held is not None and req.may_switch:
+            self._release_held(m)
 
     def _on_sse(self, req: _Request, sse: Any, m: float) -> None:
         kind = sse.kind
@@ -749,6 +759,10 @@ class ConnectionObserver:
                 detail=detail,
             )
         )
+        if self._deferred is not None and not self._pending:
+            exc, failed_m, offset = self._deferred
+            self._deferred = None
+            self._go_blind("client", exc, failed_m, offset)
 
     # ---- shared -----------------------------------------------------------------------
 
@@ -777,28 +791,6 @@ class ConnectionObserver:
         req.stall_start_m = None
         req.stall_direction = None
 
-    def _client_gone(self) -> bool:
-        return self._req.their_state in (h11.CLOSED, h11.ERROR) or self._req.our_state in (
-            h11.MUST_CLOSE,
-            h11.CLOSED,
-            h11.ERROR,
-        )
-
-    def _next_cycle(self) -> None:
-        r = self._req
-        if r.our_state is h11.DONE and r.their_state is h11.DONE:
-            r.start_next_cycle()
-
-    def _fresh_parsers(self) -> None:
-        """A new request parser for a request sent on a connection that was to close."""
-        prev = self._req
-        self._req = h11.Connection(h11.SERVER, max_incomplete_event_size=self._max_header)
-        data, closed = prev.trailing_data  # unparsed bytes carry over
-        if data:
-            self._req.receive_data(data)
-        if closed:
-            self._req.receive_data(b"")
-
     def _cut_termination(self) -> ev.Termination:
         client, upstream = self.client_closed_m, self.upstream_closed_m
         if client is not None and (upstream is None or client <= upstream):
@@ -818,20 +810,22 @@ class ConnectionObserver:
         for req in list(self._pending):
             self._end_response(req, m, termination, close=close, detail=detail)
 
-    def _go_blind(self, direction: ev.Direction, exc: Exception, m: float) -> None:
+    def _client_offset(self) -> int:
+        unparsed = len(self._req.trailing_data[0]) if self._req is not None else 0
+        return max(self._req_base, self.client_bytes - unparsed)
+
+    def _go_blind(
+        self, direction: ev.Direction, exc: Exception, m: float, offset: int | None = None
+    ) -> None:
         if self.blind:
             return
         self.blind = True
         if direction == "client":
             seq = None if self._receiving is None else self._receiving.seq
-            seen, parser = self.client_bytes, self._req
+            offset = self._client_offset() if offset is None else offset
         else:
             seq = self._pending[0].seq if self._pending else None
-        offset = (
-            max(0, seen - len(parser.trailing_data[0]))
-            if direction == "client"
-            else self._up_offset
-        )
+            offset = self._up_offset
         self._emit(
             ev.Anomaly(
                 t=m + self._wall,
@@ -844,6 +838,12 @@ class ConnectionObserver:
                 offset=offset,
             )
         )
+
+
+@functools.lru_cache(maxsize=64)
+def _mirror_request(method: str, headers: tuple[tuple[bytes, bytes], ...]) -> h11.Request:
+    """The request a response head parser is told about (events are immutable: cached)."""
+    return h11.Request(method=method, target="/", headers=list(headers))
 
 
 def _openai_fields(body: bytes) -> dict[str, Any]:
