@@ -131,6 +131,10 @@ class Tap:
         """Every event goes through here: capture, live counters, log lines, sinks."""
         if self.capture is not None:
             self.capture.write(event)
+        if type(event) is ev.BodyData:  # the hot path: nothing to count or log
+            for sink in self.sinks:
+                sink(event)
+            return
         stats = self.stats
         match event:
             case ev.RequestHead():
@@ -371,9 +375,9 @@ class _Relay:
     def from_client(self, data: bytes) -> None:
         now = time.monotonic()
         if self.upstream is not None:
-            self._observe(self.obs.client_data, data, now)
             if not self.upstream.is_closing():
-                self.upstream.write(data)
+                self.upstream.write(data)  # forward first: observing never delays bytes
+            self._observe(self.obs.client_data, data, now)
             return
         if self.finished or self.closed_by == "tracer":
             return
@@ -395,9 +399,10 @@ class _Relay:
                 self.close_by_tracer("tap stopping")
 
     def from_upstream(self, data: bytes) -> None:
-        self._observe(self.obs.upstream_data, data, time.monotonic())
+        now = time.monotonic()
         if not self.client.is_closing():
-            self.client.write(data)
+            self.client.write(data)  # forward first: observing never delays bytes
+        self._observe(self.obs.upstream_data, data, now)
 
     async def _connect(self) -> None:
         tap, cfg = self.tap, self.tap.config
