@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 import random
 import re
 from collections.abc import Callable
@@ -80,29 +81,33 @@ def play(
     rng = random.Random(int(split.split(":")[1]) if ":" in split else 0)
     for step in steps:
         apply(obs, step, split, rng)
+    obs.flush(math.inf)  # body reads still batched when the script ends
     return events, obs
 
 
 def norm(events: list[ev.Event]) -> list[dict[str, Any]]:
-    """Records, with consecutive body records of one read time merged into one."""
+    """Records, with consecutive body records of one request merged into one.
+
+    Body records are batches of reads; how reads are batched depends on how the bytes
+    were cut, but every SSE event's arrival time (``m`` + its ``dt``) does not.
+    """
     out: list[dict[str, Any]] = []
     for e in events:
         rec = e.to_record()
         if rec["type"] == "body":
             text, enc = rec.pop("data", None), rec.pop("data_encoding", None)
             raw = b"" if text is None else decode(text, enc)
+            sse = [[round(rec["m"] + x[0], 6), *x[1:]] for x in rec.pop("sse", [])]
+            for key in ("reads", "t", "m"):
+                rec.pop(key, None)
             prev = out[-1] if out else None
-            if (
-                prev
-                and prev["type"] == "body"
-                and (prev["seq"], prev["m"]) == (rec["seq"], rec["m"])
-            ):
+            if prev and prev["type"] == "body" and prev["seq"] == rec["seq"]:
                 prev["size"] += rec["size"]
                 prev["chunks"] += rec["chunks"]
-                prev["sse"] += rec.get("sse", [])
+                prev["sse"] += sse
                 prev["raw"] += raw
                 continue
-            rec["sse"] = rec.get("sse", [])
+            rec["sse"] = sse
             rec["raw"] = raw
         out.append(rec)
     return out
@@ -123,7 +128,7 @@ def one[E: ev.Event](events: list[ev.Event], cls: type[E]) -> E:
 
 
 def sse_kinds(events: list[ev.Event]) -> list[str]:
-    return [rec[1] for b in of(events, ev.BodyData) for rec in (b.sse or [])]
+    return [rec[2] for b in of(events, ev.BodyData) for rec in (b.sse or [])]
 
 
 def split_before(data: bytes, pattern: bytes) -> list[bytes]:
@@ -414,8 +419,13 @@ def test_clean_sse_stream(fixture: str, token_part: int) -> None:
     assert sum(b.chunks for b in of(events, ev.BodyData)) == chunks
     kinds = [k for k in sse_kinds(events) if k != "comment"]
     assert kinds == VLLM_KINDS
-    finish = [rec for b in of(events, ev.BodyData) for rec in (b.sse or []) if rec[1] == "finish"]
-    assert len(finish) == 1 and finish[0][2] == "length" and finish[0][0] > 100
+    finish = [
+        (b.m + rec[0], rec)
+        for b in of(events, ev.BodyData)
+        for rec in (b.sse or [])
+        if rec[2] == "finish"
+    ]
+    assert len(finish) == 1 and finish[0][1][3] == "length" and finish[0][0] > 100
     assert not obs.in_flight
 
 
@@ -423,7 +433,11 @@ def test_router_stream_counts_heartbeats_and_splits_events() -> None:
     steps = stream_steps(load("router_rechunked.upstream.bin"))
     events, _ = play(steps)
     assert one(events, ev.ResponseEnd).comments == 2
-    per_read = [[rec[1] for rec in (b.sse or [])] for b in of(events, ev.BodyData)]
+    per_read = [
+        [rec[2] for rec in (b.sse or []) if rec[0] == read[0]]
+        for b in of(events, ev.BodyData)
+        for read in b.reads
+    ]
     # part 1 is a cut heartbeat, part 3 ends inside a CRLF pair: no event completes there
     assert per_read[0] == [] and per_read[1] == ["comment"] and per_read[2] == ["role"]
     # the "\n" that completes "Hello" and the rest of a chunk that holds several events
@@ -662,8 +676,9 @@ def test_content_length_body_over_several_reads() -> None:
     ]
     steps += [("u", 100.4, body[5:20]), ("u", 100.5, body[20:])]
     events, obs = play(steps)
-    assert [b.size for b in of(events, ev.BodyData)] == [5, 15, len(body) - 20]
-    assert [b.chunks for b in of(events, ev.BodyData)] == [0, 0, 0]
+    reads = [(b.m + r[0], r[1], r[2]) for b in of(events, ev.BodyData) for r in b.reads]
+    assert reads == [(100.1, 5, 0), (100.4, 15, 0), (100.5, len(body) - 20, 0)]
+    assert sum(b.size for b in of(events, ev.BodyData)) == len(body)
     end = one(events, ev.ResponseEnd)
     assert end.termination == "complete" and end.body_bytes == len(body)
     assert end.max_gap == pytest.approx(0.3) and end.m == 100.5

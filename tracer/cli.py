@@ -164,7 +164,7 @@ def _proxy(args: argparse.Namespace) -> int:
         writer.write(tap.header())
     reason = "stopped"
     try:
-        reason = anyio.run(_run_proxy, tap, admin)
+        reason = anyio.run(_run_proxy, tap, admin, backend_options=loop_options())
     except OSError as exc:
         print(f"tracer: cannot listen on {args.listen}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -201,6 +201,15 @@ async def _run_proxy(tap: Tap, admin: tuple[str, int] | None) -> str:
             flush=True,
         )
     return reason
+
+
+def loop_options() -> dict[str, Any]:
+    """uvloop where it is installed: the relay's callbacks then cost about half as much."""
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return {}
+    return {"use_uvloop": True}
 
 
 def _fmt(bound: list[tuple[str, int]]) -> str:

@@ -233,19 +233,23 @@ class ResponseHead(Event):
 @_register
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BodyData(Event):
-    """Response body bytes that arrived in one read from upstream.
+    """Response body reads from upstream, batched (at most ~0.1 s or 256 reads a record).
 
-    ``sse`` lists the Server-Sent Events completed by these bytes, each as
-    ``[size, kind]`` or ``[size, kind, finish_reason]``; kinds: ``role`` (data with no
-    content yet), ``content``, ``finish``, ``usage``, ``error``, ``done``, ``comment``,
-    ``other`` (data that is not OpenAI JSON). All share this record's arrival time.
+    ``t``/``m`` are the arrival time of the first read. ``reads`` lists every read as
+    ``[dt, size, chunks]``: its arrival offset from ``m`` in seconds, its body bytes
+    (framing excluded) and the data chunks that started in it. ``sse`` lists the
+    Server-Sent Events completed, each as ``[dt, size, kind]`` or
+    ``[dt, size, "finish", finish_reason]`` with the ``dt`` of the read that completed
+    it; kinds: ``role`` (data with no content yet), ``content``, ``finish``, ``usage``,
+    ``error``, ``done``, ``comment``, ``other`` (data that is not OpenAI JSON).
     """
 
     TYPE: ClassVar[str] = "body"
     conn: int
     seq: int
-    size: int
-    chunks: int = 0  # chunk headers seen in these bytes (chunked framing)
+    size: int  # body bytes in these reads
+    chunks: int = 0  # data chunks started in these reads (chunked framing)
+    reads: list[list[Any]] = field(default_factory=list)
     sse: list[list[Any]] | None = None
     data: str | None = None  # only with --bodies all
     data_encoding: Literal["utf-8", "base64"] | None = None

@@ -34,7 +34,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 from urllib.parse import urlsplit
 
 import anyio
@@ -264,6 +264,7 @@ class Tap:
             now = time.monotonic()
             for relay in list(self.live.values()):
                 obs = relay.obs
+                obs.flush(now)
                 silent = now - obs.last_activity_m
                 if obs.in_flight and silent >= stall_after:
                     try:
@@ -442,7 +443,7 @@ class _Relay:
                 self._answer(502, "Bad Gateway", f"tracer: upstream {addr} unreachable: {error}\n")
             return
         done = time.monotonic()
-        assert isinstance(transport, asyncio.Transport)
+        # (uvloop's transport is not an asyncio.Transport subclass: no isinstance checks)
         if self.finished or self.client_lost:  # the client went away meanwhile
             transport.abort()
             return
@@ -660,7 +661,7 @@ class _ClientSide(asyncio.Protocol):
         self.relay: _Relay | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         if self.tap.stopping:
             transport.abort()
             return
@@ -718,7 +719,7 @@ def _nodelay(transport: asyncio.BaseTransport) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def _unsent_bytes(transport: asyncio.BaseTransport | None) -> int | None:
+def _unsent_bytes(transport: asyncio.Transport | None) -> int | None:
     """Bytes queued toward the peer: in the transport's buffer plus the kernel's (SIOCOUTQ)."""
     if transport is None or transport.is_closing():
         return None
@@ -729,19 +730,15 @@ def _unsent_bytes(transport: asyncio.BaseTransport | None) -> int | None:
         buf = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
     except OSError:
         return None
-    assert isinstance(transport, asyncio.WriteTransport)
     return int(struct.unpack("i", buf)[0]) + transport.get_write_buffer_size()
 
 
-def _abort(transport: asyncio.BaseTransport) -> None:
+def _abort(transport: asyncio.Transport) -> None:
     """Close with a reset (SO_LINGER 0), as the peer did on the other side."""
-    if transport.is_closing() and not isinstance(transport, asyncio.Transport):
-        return
     sock = transport.get_extra_info("socket")
     if sock is not None and sock.fileno() >= 0:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    assert isinstance(transport, asyncio.Transport)
     transport.abort()
 
 

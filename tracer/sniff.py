@@ -37,8 +37,9 @@ Rules:
    (a complete head larger than ``max_header_bytes`` is a parse failure too, so that the
    outcome does not depend on how the bytes were cut), request bodies kept up to
    ``max_body_keep``, SSE fragments by ``sse.MAX_EVENT``.
-5. Events do not depend on how the bytes were cut into reads, apart from how many
-   ``BodyData`` records share the response body (and, on malformed bytes, the wording
+5. Events do not depend on how the bytes were cut into reads, apart from how the
+   response body's reads are listed in ``BodyData`` records (batched: one record per
+   ``BODY_BATCH_SECONDS`` of reads; every read and SSE event keeps its arrival time) (and, on malformed bytes, the wording
    and offset of h11's error, which may differ by a byte or two).
 """
 
@@ -65,6 +66,8 @@ Bodies = Literal["none", "requests", "all"]
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_BODY_KEEP = 16 * 1024 * 1024
+BODY_BATCH_SECONDS = 0.1  # a body record covers the reads of at most this long
+BODY_BATCH_READS = 256  # ... and at most this many reads
 MAX_HELD_BYTES = 1024 * 1024  # client bytes held while a protocol switch is undecided
 StallDirection = Literal["upstream_silent", "client_not_reading", "client_silent"]
 
@@ -73,6 +76,12 @@ class _Request:
     """Mutable per-request state while it is in flight."""
 
     __slots__ = (
+        "batch_chunks",
+        "batch_m",
+        "batch_raw",
+        "batch_reads",
+        "batch_size",
+        "batch_sse",
         "body_bytes",
         "body_hash",
         "body_parts",
@@ -130,6 +139,13 @@ class _Request:
         self.ended = False
         self.stall_start_m: float | None = None
         self.stall_direction: StallDirection | None = None
+        # response body reads not yet written as a record (see _add_read)
+        self.batch_m: float | None = None
+        self.batch_reads: list[list[Any]] = []
+        self.batch_sse: list[list[Any]] = []
+        self.batch_size = 0
+        self.batch_chunks = 0
+        self.batch_raw: list[bytes] = []
 
 
 class ConnectionObserver:
@@ -294,6 +310,7 @@ class ConnectionObserver:
             direction = "upstream_silent"
         req.stall_start_m = self.last_activity_m
         req.stall_direction = direction
+        self._flush_body(req)  # the last bytes before the stall go on record first
         self._emit(
             ev.Stall(
                 t=m + self._wall,
@@ -531,7 +548,7 @@ class ConnectionObserver:
                         return
                     data = data[used:]
                     if body_req is not None:
-                        self._emit_body(req, m, size, chunks, sse_events, raw)
+                        self._add_read(req, m, size, chunks, sse_events, raw)
                     body_req, size, chunks, sse_events = None, 0, 0, None
                     raw = [] if raw is not None else None
                     self._body_ended(req, m)
@@ -541,7 +558,7 @@ class ConnectionObserver:
                 data = self._parse_head(data, m)
         finally:  # bytes parsed before a failure are still reported
             if body_req is not None:
-                self._emit_body(body_req, m, size, chunks, sse_events, raw)
+                self._add_read(body_req, m, size, chunks, sse_events, raw)
 
     def _parse_head(self, data: bytes, m: float) -> bytes:
         """Feed the head parser; returns the bytes after a complete head (the body's)."""
@@ -677,7 +694,7 @@ class ConnectionObserver:
         if sse.error is not None:
             req.error = sse.error
 
-    def _emit_body(
+    def _add_read(
         self,
         req: _Request,
         m: float,
@@ -686,25 +703,64 @@ class ConnectionObserver:
         sse: list[list[Any]] | None,
         raw: list[bytes] | None,
     ) -> None:
+        """Account one read of body bytes; records are written per batch of reads.
+
+        A paced stream is one read per token: one record per read would cost more than
+        the read itself. Each read and each SSE event keeps its own arrival time (an
+        offset from the record's ``m``), so nothing of the timing is lost.
+        """
         req.resp_bytes += size
         self._note_gap(req, m)
-        data = encoding = None
+        first = req.batch_m
+        if first is not None and (
+            m - first >= BODY_BATCH_SECONDS or len(req.batch_reads) >= BODY_BATCH_READS
+        ):
+            self._flush_body(req)
+            first = None
+        if first is None:
+            req.batch_m = first = m
+        dt = round(m - first, 6)
+        req.batch_reads.append([dt, size, chunks])
+        if sse:
+            batch_sse = req.batch_sse
+            for record in sse:
+                batch_sse.append([dt, *record])
+        req.batch_size += size
+        req.batch_chunks += chunks
         if raw:
-            data, encoding = _encode_body(b"".join(raw))
+            req.batch_raw.extend(raw)
+
+    def _flush_body(self, req: _Request) -> None:
+        first = req.batch_m
+        if first is None:
+            return
+        data = encoding = None
+        if req.batch_raw:
+            data, encoding = _encode_body(b"".join(req.batch_raw))
         self._emit(
             ev.BodyData(
-                t=m + self._wall,
-                m=m,
+                t=first + self._wall,
+                m=first,
                 tap=self.tap,
                 conn=self.conn,
                 seq=req.seq,
-                size=size,
-                chunks=chunks,
-                sse=sse,
+                size=req.batch_size,
+                chunks=req.batch_chunks,
+                reads=req.batch_reads,
+                sse=req.batch_sse or None,
                 data=data,
                 data_encoding=encoding,
             )
         )
+        req.batch_m = None
+        req.batch_reads, req.batch_sse, req.batch_raw = [], [], []
+        req.batch_size = req.batch_chunks = 0
+
+    def flush(self, m: float) -> None:
+        """Write body records whose batch is old enough (the relay calls this periodically)."""
+        for req in self._pending:
+            if req.batch_m is not None and m - req.batch_m >= BODY_BATCH_SECONDS:
+                self._flush_body(req)
 
     def _note_gap(self, req: _Request, m: float) -> None:
         if req.last_data_m is not None and m - req.last_data_m > req.max_gap:
@@ -723,6 +779,7 @@ class ConnectionObserver:
         if req.ended:
             return
         req.ended = True
+        self._flush_body(req)
         if self._pending and self._pending[0] is req:
             self._pending.popleft()
             self._head = self._body = None  # whatever was parsing its response is done
