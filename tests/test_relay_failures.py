@@ -17,6 +17,15 @@ from .test_relay_transparency import GET, OK_CL, POST, SSE_HEAD, _chunk
 
 pytestmark = pytest.mark.anyio
 
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def anyio_backend(request: pytest.FixtureRequest) -> object:
+    """The relay runs on the default asyncio loop and on uvloop (what `tracer proxy` uses)."""
+    if request.param == "uvloop":
+        return ("asyncio", {"use_uvloop": True})
+    return "asyncio"
+
+
 EVENT = _chunk(b'data: {"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n')
 
 

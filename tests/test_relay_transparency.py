@@ -15,6 +15,15 @@ from .conftest import RawUpstream, UpConn, recv_all, recv_until, running_tap
 
 pytestmark = pytest.mark.anyio
 
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def anyio_backend(request: pytest.FixtureRequest) -> object:
+    """The relay runs on the default asyncio loop and on uvloop (what `tracer proxy` uses)."""
+    if request.param == "uvloop":
+        return ("asyncio", {"use_uvloop": True})
+    return "asyncio"
+
+
 # A step is ("send", bytes), ("expect", n) — wait until n bytes in total arrived —,
 # ("close",) or ("shutdown",) (half-close: FIN, keep reading).
 Step = tuple[object, ...]
