@@ -27,7 +27,10 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/pytest -q
 
+# The peers and wrk come from Debian; py-spy only for `--profile`.
 bench: $(STAMP)
+	@command -v nginx >/dev/null && command -v wrk >/dev/null || \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light wrk >/dev/null)
 	$(BIN)/python -m bench.run
 
 clean:

@@ -306,3 +306,76 @@ class Anomaly(Event):
     direction: Direction
     error: str
     offset: int  # bytes of that direction seen before the failure
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSample(Event):
+    """One scrape of an engine's (or the router's) own metrics, normalised.
+
+    ``state`` holds the normalised figures (``running``, ``queued``, ``token_usage``,
+    ``gen_throughput``, ``generation_tokens_total``, ``prompt_tokens_total``,
+    ``requests_total`` ... — see ``tracer/engines.py``), each summed over the series
+    that make up the whole (never counting a per-priority and an aggregate series
+    twice). ``deltas`` are counter increases since the previous sample of the same URL
+    (``interval`` seconds apart); a counter that went down is a restart (``restarted``)
+    and gives no delta. ``freshness`` says how old a figure may be (SGLang's gauges are
+    refreshed only every 40 decode steps, and about every 30 s while idle).
+    ``series``: the labelled series behind the figures (engine_type, dp_rank,
+    model_name ...). A failed scrape has ``ok`` false and ``error`` (timeout, refused,
+    HTTP status) and no figures: failures are evidence too.
+    """
+
+    TYPE: ClassVar[str] = "engine"
+    url: str
+    source: Literal["metrics", "loads"] = "metrics"
+    ok: bool
+    elapsed: float  # seconds the scrape took
+    status: int | None = None  # HTTP status
+    error: str | None = None
+    profile: str | None = None  # sglang | vllm | llamacpp | smg | sgl_router | unknown
+    state: dict[str, Any] = field(default_factory=dict)
+    deltas: dict[str, Any] | None = None
+    interval: float | None = None
+    restarted: bool = False
+    freshness: dict[str, str] | None = None
+    series: list[dict[str, Any]] | None = None
+    raw: dict[str, Any] | None = None  # unknown metrics, with --keep-raw-metrics
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HealthSample(Event):
+    """One poll of a health endpoint (``/health``, the router's ``/readiness``)."""
+
+    TYPE: ClassVar[str] = "health"
+    url: str
+    ok: bool
+    elapsed: float
+    status: int | None = None
+    error: str | None = None
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Probe(Event):
+    """A tiny request over a fresh connection, sent when a stall is detected.
+
+    The automatic form of the decisive experiment: does a fresh connection get an
+    answer while a reused one hangs? ``target``: ``upstream`` (the tap's own upstream)
+    or ``engine`` (an engine URL directly). ``outcome``: ``ok``, ``error``, ``timeout``,
+    or ``skipped`` (with ``reason``: rate limit, or the engine reported load above the
+    threshold — probes never pile onto a loaded engine).
+    """
+
+    TYPE: ClassVar[str] = "probe"
+    url: str
+    target: Literal["upstream", "engine"]
+    kind: Literal["models", "completion", "health"]
+    outcome: Literal["ok", "error", "timeout", "skipped"]
+    trigger_conn: int | None = None
+    trigger_seq: int | None = None
+    status: int | None = None
+    latency: float | None = None
+    first_byte: float | None = None
+    reason: str | None = None
