@@ -79,12 +79,52 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="close keep-alive connections idle this long (default: never)",
     )
+    _engine_arguments(px)
+    px.add_argument(
+        "--probe-on-stall",
+        action="store_true",
+        help="on a stall, send a tiny request over a fresh connection to the upstream and "
+        "to each --engine-metrics host, and record the outcome (off by default)",
+    )
+    px.add_argument(
+        "--probe-kind",
+        choices=["models", "completion", "health"],
+        default="models",
+        help="GET /v1/models (default), a 1-token completion, or GET /health",
+    )
+    px.add_argument("--probe-model", metavar="NAME", help="model for --probe-kind completion")
+    px.add_argument(
+        "--probe-interval",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="at most one round of probes per this many seconds (default 5)",
+    )
+    px.add_argument(
+        "--probe-busy-threshold",
+        type=int,
+        default=32,
+        metavar="N",
+        help="skip probes while an engine reports running+queued >= N (default 32)",
+    )
     px.add_argument(
         "--max-header-bytes",
         type=int,
         default=64 * 1024,
         help="the observer stops parsing a connection whose head exceeds this",
     )
+
+    wt = sub.add_parser("watch", help="record engine evidence alone (no proxy)")
+    wt.add_argument("--capture", required=True, metavar="FILE")
+    wt.add_argument("--tap", default="watch", metavar="NAME")
+    wt.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop after this long (default: until SIGINT/SIGTERM)",
+    )
+    _engine_arguments(wt, required=True)
 
     an = sub.add_parser("analyze", help="tables (and findings) from captures")
     an.add_argument("captures", nargs="+", metavar="CAPTURE")
@@ -104,6 +144,51 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _engine_arguments(p: argparse.ArgumentParser, *, required: bool = False) -> None:
+    p.add_argument(
+        "--engine-metrics",
+        action="append",
+        default=[],
+        metavar="URL",
+        required=required,
+        help="an engine's, worker's or the router's Prometheus /metrics URL "
+        "(repeatable); scraped every --metrics-interval into the capture",
+    )
+    p.add_argument("--metrics-interval", type=float, default=1.0, metavar="SECONDS")
+    p.add_argument("--metrics-timeout", type=float, default=2.0, metavar="SECONDS")
+    p.add_argument(
+        "--health",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a health URL polled on the same schedule (e.g. the router's /readiness)",
+    )
+    p.add_argument(
+        "--engine-profile",
+        choices=["sglang", "vllm", "llamacpp", "smg", "sgl_router"],
+        help="metric names to expect (default: detected from what the endpoint exposes)",
+    )
+    p.add_argument(
+        "--keep-raw-metrics", action="store_true", help="also keep metrics no profile knows, raw"
+    )
+
+
+def _poller(args: argparse.Namespace, tap: str, emit: Any, wall_offset: float) -> Any:
+    from .poller import EnginePoller, PollerConfig
+
+    if not args.engine_metrics and not args.health:
+        return None
+    config = PollerConfig(
+        urls=list(args.engine_metrics),
+        interval=args.metrics_interval,
+        timeout=args.metrics_timeout,
+        health_urls=list(args.health),
+        keep_raw=args.keep_raw_metrics,
+        profile=args.engine_profile,
+    )
+    return EnginePoller(config, tap=tap, emit=emit, wall_offset=wall_offset)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logs.configure(json=args.log_json, level=args.log_level)
@@ -112,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             return _proxy(args)
         if args.command == "analyze":
             return _analyze(args)
+        if args.command == "watch":
+            return _watch(args)
         if args.command == "demo":
             from .demo import main as demo_main
 
@@ -160,11 +247,31 @@ def _proxy(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise ValueError(f"cannot open capture {args.capture}: {exc.strerror or exc}") from exc
     tap = Tap(config, capture=writer)
+    poller = _poller(args, config.name, tap.safe_emit, tap.wall_offset)
+    if args.probe_on_stall:
+        from .probes import ProbeConfig, Prober, engine_base
+
+        prober = Prober(
+            ProbeConfig(
+                upstream_url=config.upstream_url,
+                engine_urls=[engine_base(u) for u in args.engine_metrics],
+                kind=args.probe_kind,
+                model=args.probe_model,
+                min_interval=args.probe_interval,
+                busy_threshold=args.probe_busy_threshold,
+            ),
+            tap=config.name,
+            emit=tap.safe_emit,
+            wall_offset=tap.wall_offset,
+            spawn=tap.start_soon,
+            load=poller,
+        )
+        tap.sinks.append(prober)
     if writer is not None:
-        writer.write(tap.header())
+        writer.write(tap.header(engine_metrics=args.engine_metrics, probes=args.probe_on_stall))
     reason = "stopped"
     try:
-        reason = anyio.run(_run_proxy, tap, admin, backend_options=loop_options())
+        reason = anyio.run(_run_proxy, tap, admin, poller, backend_options=loop_options())
     except OSError as exc:
         print(f"tracer: cannot listen on {args.listen}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -174,7 +281,7 @@ def _proxy(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _run_proxy(tap: Tap, admin: tuple[str, int] | None) -> str:
+async def _run_proxy(tap: Tap, admin: tuple[str, int] | None, poller: Any) -> str:
     log = structlog.get_logger("tracer.cli")
     reason = "stopped"
     async with anyio.create_task_group() as tg:
@@ -190,6 +297,8 @@ async def _run_proxy(tap: Tap, admin: tuple[str, int] | None) -> str:
                     return
 
         tg.start_soon(watch_signals)
+        if poller is not None:
+            tg.start_soon(poller.run)
         if admin is not None:
             from .admin import AdminServer
 
@@ -210,6 +319,67 @@ def loop_options() -> dict[str, Any]:
     except ImportError:
         return {}
     return {"use_uvloop": True}
+
+
+def _watch(args: argparse.Namespace) -> int:
+    """Engine evidence alone: the poller writing its own capture."""
+    import time as _time
+
+    from . import __version__
+    from . import events as ev
+
+    try:
+        writer = CaptureWriter(args.capture)
+    except OSError as exc:
+        raise ValueError(f"cannot open capture {args.capture}: {exc.strerror or exc}") from exc
+    wall = _time.time() - _time.monotonic()
+    now = _time.monotonic()
+    writer.write(
+        ev.CaptureStart(
+            t=now + wall,
+            m=now,
+            tap=args.tap,
+            tracer_version=__version__,
+            kind="watch",
+            options={
+                "engine_metrics": args.engine_metrics,
+                "health": args.health,
+                "interval": args.metrics_interval,
+            },
+        )
+    )
+    poller = _poller(args, args.tap, writer.write, wall)
+    reason = "stopped"
+
+    async def run() -> None:
+        nonlocal reason
+        async with anyio.create_task_group() as tg:
+
+            async def watch_signals() -> None:
+                nonlocal reason
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for signum in signals:
+                        reason = signal.Signals(signum).name
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch_signals)
+            tg.start_soon(poller.run)
+            print(
+                f"tracer watch: {len(args.engine_metrics)} metrics URL(s) -> {args.capture}",
+                file=sys.stderr,
+                flush=True,
+            )
+            if args.duration is not None:
+                await anyio.sleep(args.duration)
+                reason = "duration reached"
+                tg.cancel_scope.cancel()
+
+    try:
+        anyio.run(run, backend_options=loop_options())
+    finally:
+        writer.finish(args.tap, reason)
+    return 0
 
 
 def _fmt(bound: list[tuple[str, int]]) -> str:

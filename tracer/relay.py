@@ -191,7 +191,12 @@ class Tap:
         for sink in self.sinks:
             sink(event)
 
-    def header(self) -> ev.CaptureStart:
+    @property
+    def wall_offset(self) -> float:
+        """Add to a monotonic time to get wall-clock time (fixed at start)."""
+        return self._wall
+
+    def header(self, **extra: Any) -> ev.CaptureStart:
         now = time.monotonic()
         cfg = self.config
         return ev.CaptureStart(
@@ -207,6 +212,7 @@ class Tap:
                 "bodies": cfg.bodies,
                 "idle_timeout": cfg.idle_timeout,
                 "connect_timeout": cfg.connect_timeout,
+                **extra,
             },
         )
 
