@@ -117,7 +117,8 @@ async def test_sigterm_flushes_and_exits_fast(tmp_path: Path) -> None:
         ) as proc:
             async with httpx.AsyncClient() as client:
                 for i in range(3):
-                    assert await _stream_once(client, proc.url, f"rid-{i}") == 7
+                    # role, 5 content, the finish_reason chunk, [DONE]
+                    assert await _stream_once(client, proc.url, f"rid-{i}") == 8
                 # keep one connection open and idle while the tap stops
                 start = time.monotonic()
                 proc.process.send_signal(signal.SIGTERM)

@@ -133,14 +133,11 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="a real end-to-end run on this machine")
     demo.add_argument("--out", default="demo-out", metavar="DIR")
 
-    sim = sub.add_parser("sim", help="simulated engine")
+    sim = sub.add_parser("sim", help="simulated engine and harness")
     sim_sub = sim.add_subparsers(dest="sim_command", required=True)
-    se = sim_sub.add_parser("engine", help="an OpenAI-compatible simulated engine")
-    se.add_argument("--listen", default="127.0.0.1:30000", metavar="HOST:PORT")
-    se.add_argument("--tokens", type=int, default=16)
-    se.add_argument("--ttft", type=float, default=0.02)
-    se.add_argument("--itl", type=float, default=0.005)
-    se.add_argument("--keepalive", type=float, default=5.0)
+    from .sim import cli as sim_cli
+
+    sim_cli.register(sim_sub)
     return p
 
 
@@ -204,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return demo_main(args.out)
         if args.command == "sim":
-            return _sim(args)
+            from .sim import cli as sim_cli
+
+            return sim_cli.run(args)
     except ValueError as exc:
         print(f"tracer: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -409,34 +408,4 @@ def _analyze(args: argparse.Namespace) -> int:
     result = summary.result(captures=captures)
     out = to_json(result) if args.format == "json" else to_text(result)
     sys.stdout.write(out)
-    return 0
-
-
-def _sim(args: argparse.Namespace) -> int:
-    from .sim.engine import EngineConfig, SimEngine
-
-    host, port = parse_hostport(args.listen)
-    engine = SimEngine(
-        EngineConfig(
-            host=host,
-            port=port,
-            tokens=args.tokens,
-            ttft=args.ttft,
-            itl=args.itl,
-            keepalive=args.keepalive,
-        )
-    )
-
-    async def run() -> None:
-        async with anyio.create_task_group() as tg:
-            bound = await tg.start(engine.serve)
-            print(
-                f"sim engine listening on http://{bound[0]}:{bound[1]}", file=sys.stderr, flush=True
-            )
-            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for _ in signals:
-                    tg.cancel_scope.cancel()
-                    return
-
-    anyio.run(run)
     return 0

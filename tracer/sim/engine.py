@@ -1,27 +1,138 @@
-"""A simulated OpenAI-compatible engine that streams like SGLang/vLLM at the byte level.
+"""A simulated SGLang engine: OpenAI-compatible HTTP, a batch scheduler, SGLang's metrics.
 
-Streaming responses are ``text/event-stream`` over chunked encoding, one SSE event per
-chunk: a role chunk, content chunks, a chunk with ``finish_reason``, the usage chunk
-when ``stream_options.include_usage`` is set, then ``data: [DONE]``. Idle keep-alive
-connections are closed after ``keepalive`` seconds, as uvicorn does for both engines.
-Per-request pacing can be set with headers (``x-sim-tokens``, ``x-sim-itl``,
-``x-sim-ttft``) so tests can shape one request without restarting the engine.
+What a client, a router or a tap sees is shaped like SGLang (``reference/llm-serving.md``
+§1.3-1.5, §2.4, §4):
+
+* ``POST /v1/chat/completions`` and ``/v1/completions``, streaming or not. A stream is
+  ``text/event-stream`` over chunked encoding, one SSE event per chunk: the role chunk,
+  one content chunk per token, a chunk with ``finish_reason``, the usage chunk (``choices:
+  []``) when ``stream_options.include_usage``, then ``data: [DONE]`` and the last chunk.
+  As in current SGLang the response head goes out with the first token (the handler
+  waits for the first output before it answers); ``early_headers`` sends it at once, as
+  vLLM does.
+* ``GET /health`` (503 during ``startup``), ``/health_generate`` (a 1-token probe through
+  the scheduler; 200 as soon as the scheduler produces anything, 503 after
+  ``health_timeout``), ``/v1/models``, ``/model_info`` and ``/get_model_info`` (without
+  ``model_path``/``tokenizer_path``, so a router does not try to fetch a tokenizer),
+  ``/server_info`` and ``/get_server_info``, ``/v1/loads`` (live values; it waits while
+  the scheduler is wedged, since SGLang asks the scheduler), ``/get_load``, ``/metrics``.
+* Idle keep-alive connections are closed after ``keepalive`` seconds (uvicorn's
+  ``timeout_keep_alive``, 5 s in SGLang and vLLM).
+
+Load behaves like load: see ``scheduler.py``.
+
+Per-request headers: ``x-sim-tokens`` (output tokens), ``x-sim-ttft`` (this request's first
+token comes that long after admission, outside the prefill batch), ``x-sim-itl`` (this
+request's own token gap; at least one decode step), ``x-sim-fault`` (a fault spec, below,
+or ``none``).
+
+Faults (``parse_fault``), one spec ``KIND[:key=value]...``:
+
+=========  ==========================================================================
+``stall``  after ``after`` tokens (default 1) the request gets no tokens for ``for``
+           seconds (default 30); it stays in the running batch, other requests go on
+``wedge``  after ``after`` tokens the whole scheduler stops for ``for`` seconds: no
+           tokens for anyone, gauges and counters frozen, ``/v1/loads`` waits
+``lost``   the request is read and never answered; it is neither running nor queued
+``close``  after ``after`` content chunks (0: right after the response head) the
+           connection is closed with FIN, without the terminating chunk
+``reset``  the same with RST
+``500``    HTTP 500 with SGLang's JSON error body, before any stream
+``error``  after ``after`` content chunks, ``data: {"error": {...}}``, ``data: [DONE]``
+           and a clean end of the chunked body (SGLang's abort)
+=========  ==========================================================================
+
+Command-line rules add a selector on the engine's completion counter (1, 2, 3 ...):
+``every=N`` (requests N, 2N, ...), ``nth=K`` (request K only), ``from=K`` (K and later);
+none means every request. The first matching rule wins; the header overrides the rules.
+Examples: ``stall:after=3:for=10:every=5``, ``lost:nth=2``, ``reset:after=0:from=4``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import socket
+import struct
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any
+from collections import Counter
+from dataclasses import dataclass, field
+from email.utils import formatdate
+from typing import Any, Literal
 
 import anyio
 import h11
 import structlog
 from anyio.abc import SocketAttribute, SocketStream, TaskStatus
 
+from .scheduler import EngineType, Scheduler, SchedulerConfig, SimRequest
+
 log = structlog.get_logger("tracer.sim.engine")
+
+FAULT_KINDS = ("stall", "wedge", "lost", "close", "reset", "500", "error")
+SIM_VERSION = "0.5.6"  # what /server_info and /v1/loads report as the SGLang version
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    after: int = 1
+    seconds: float = 30.0
+    every: int | None = None
+    nth: int | None = None
+    start: int | None = None  # from=
+
+    def matches(self, seq: int) -> bool:
+        if self.nth is not None and seq != self.nth:
+            return False
+        if self.every is not None and seq % self.every != 0:
+            return False
+        return not (self.start is not None and seq < self.start)
+
+    def __str__(self) -> str:
+        parts = [self.kind]
+        if self.kind in ("stall", "wedge", "close", "reset", "error"):
+            parts.append(f"after={self.after}")
+        if self.kind in ("stall", "wedge"):
+            parts.append(f"for={self.seconds:g}")
+        for key, value in (("every", self.every), ("nth", self.nth), ("from", self.start)):
+            if value is not None:
+                parts.append(f"{key}={value}")
+        return ":".join(parts)
+
+
+def parse_fault(spec: str) -> Fault:
+    """``KIND[:key=value]...``; raises ValueError with a readable message."""
+    kind, *params = spec.strip().split(":")
+    kind = kind.strip().lower()
+    if kind not in FAULT_KINDS:
+        raise ValueError(f"unknown fault {kind!r} (one of {', '.join(FAULT_KINDS)})")
+    values: dict[str, Any] = {}
+    for param in params:
+        key, sep, raw = param.partition("=")
+        key = key.strip().lower()
+        if not sep:
+            raise ValueError(f"fault {spec!r}: {param!r} is not key=value")
+        try:
+            if key == "for":
+                seconds = float(raw)
+                if seconds < 0 or math.isnan(seconds):
+                    raise ValueError
+                values["seconds"] = seconds
+            elif key in ("after", "every", "nth", "from"):
+                number = int(raw)
+                if number < (0 if key == "after" else 1):
+                    raise ValueError
+                values["start" if key == "from" else key] = number
+            else:
+                raise ValueError(f"fault {spec!r}: unknown key {key!r}")
+        except ValueError as exc:
+            if exc.args:
+                raise
+            raise ValueError(f"fault {spec!r}: bad value {raw!r} for {key}") from None
+    return Fault(kind=kind, **values)
 
 
 @dataclass
@@ -30,17 +141,77 @@ class EngineConfig:
     port: int = 0
     model: str = "sim-model"
     tokens: int = 16  # output tokens when the request gives no max_tokens
-    ttft: float = 0.02
-    itl: float = 0.005
+    ttft: float = 0.02  # prefill batch time (first token with an empty engine)
+    itl: float = 0.005  # decode step with one running request
     keepalive: float = 5.0
+    max_running: int = 64
+    prefill_per_token: float = 0.0
+    batch_alpha: float = 0.05
+    decode_log_interval: int = 40
+    idle_refresh: float = 30.0
+    max_total_tokens: int = 262144
+    context_length: int = 32768
+    engine_type: EngineType = "unified"
+    token_counters: Literal["live", "finish"] = "live"
+    startup: float = 0.0  # /health answers 503 this long after start
+    health_timeout: float = 20.0
+    early_headers: bool = False
+    faults: list[Fault] = field(default_factory=list)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            model=self.model,
+            engine_type=self.engine_type,
+            max_running=self.max_running,
+            ttft=self.ttft,
+            prefill_per_token=self.prefill_per_token,
+            itl=self.itl,
+            batch_alpha=self.batch_alpha,
+            decode_log_interval=self.decode_log_interval,
+            idle_refresh=self.idle_refresh,
+            max_total_tokens=self.max_total_tokens,
+            token_counters=self.token_counters,
+            startup_time=self.startup,
+        )
+
+
+class _Hangup(Exception):
+    """End the connection without a complete response (FIN, or RST when ``reset``)."""
+
+    def __init__(self, reset: bool) -> None:
+        super().__init__("reset" if reset else "close")
+        self.reset = reset
+
+
+_SOCKET_ERRORS = (
+    anyio.BrokenResourceError,
+    anyio.EndOfStream,
+    anyio.ClosedResourceError,
+    OSError,
+)
+
+
+@dataclass
+class _Ctx:
+    chat: bool
+    rid: str
+    created: int
+    model: str
+    finish: str
+    include_usage: bool
 
 
 class SimEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.scheduler = Scheduler(config.scheduler_config())
         self.bound: tuple[str, int] | None = None
-        self.requests = 0
+        self.requests = 0  # HTTP requests of any kind
+        self.completions = 0  # completion requests (the fault selectors count these)
+        self.lost = 0  # requests held by the ``lost`` fault right now
         self.connections = 0
+        self.hits: Counter[str] = Counter()  # "METHOD /path" -> requests
+        self.started_at = time.monotonic()
 
     @property
     def url(self) -> str:
@@ -58,73 +229,232 @@ class SimEngine:
             str(first.extra(SocketAttribute.local_address)[0]),
             int(first.extra(SocketAttribute.local_port)),
         )
-        task_status.started(self.bound)
-        async with listener:
+        self.started_at = time.monotonic()
+        async with listener, anyio.create_task_group() as tg:
+            tg.start_soon(self.scheduler.run)
+            task_status.started(self.bound)
             await listener.serve(self._handle)
+
+    # ---- connections ------------------------------------------------------------------
 
     async def _handle(self, stream: SocketStream) -> None:
         self.connections += 1
         conn = h11.Connection(h11.SERVER)
+        reset = False
         try:
-            async with stream:
-                while True:
-                    with anyio.move_on_after(self.config.keepalive):
-                        got = await _read_request(conn, stream)
-                    if got is None:
-                        return
-                    request, body = got
-                    self.requests += 1
-                    await self._respond(conn, stream, request, body)
-                    if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
-                        return
-                    conn.start_next_cycle()
-        except (
-            anyio.BrokenResourceError,
-            anyio.EndOfStream,
-            anyio.ClosedResourceError,
-            h11.ProtocolError,
-            OSError,
-        ):
+            while True:
+                try:
+                    got = await _read_request(conn, stream, self.config.keepalive)
+                except h11.RemoteProtocolError:
+                    await _bad_request(conn, stream)
+                    return
+                if got is None:
+                    return
+                request, body = got
+                self.requests += 1
+                if request.http_version not in (b"1.0", b"1.1"):  # e.g. an HTTP/2 preface
+                    self.hits[
+                        f"{request.method.decode('latin-1')} HTTP/{request.http_version.decode()}"
+                    ] += 1
+                    await _bad_request(conn, stream)
+                    return
+                await self._respond(conn, stream, request, body)
+                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                    return
+                conn.start_next_cycle()
+        except _Hangup as hangup:
+            reset = hangup.reset
+        except (*_SOCKET_ERRORS, h11.ProtocolError):
             return
+        except Exception:  # never let one connection take the listener down
+            log.exception("sim engine connection failed")
+        finally:
+            if reset:
+                _set_linger_zero(stream)
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
 
     async def _respond(
         self, conn: h11.Connection, stream: SocketStream, request: h11.Request, body: bytes
     ) -> None:
-        path = request.target.decode().split("?", 1)[0]
-        method = request.method.decode()
-        hdrs = {k.decode().lower(): v.decode() for k, v in request.headers}
-        if method == "GET" and path in ("/health", "/health_generate"):
-            await _send_json(conn, stream, 200, {})
-        elif method == "GET" and path == "/v1/models":
-            await _send_json(
-                conn,
-                stream,
-                200,
-                {
-                    "object": "list",
-                    "data": [
-                        {
-                            "id": self.config.model,
-                            "object": "model",
-                            "owned_by": "sim",
-                            "created": 0,
-                        }
-                    ],
-                },
-            )
-        elif method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
+        path = request.target.decode("latin-1").split("?", 1)[0]
+        method = request.method.decode("latin-1")
+        hdrs = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
+        self.hits[f"{method} {path}"] += 1
+        getters = {
+            "/health": self._health,
+            "/health_generate": self._health_generate,
+            "/v1/models": self._models,
+            "/model_info": self._model_info,
+            "/get_model_info": self._model_info,
+            "/server_info": self._server_info,
+            "/get_server_info": self._server_info,
+            "/v1/loads": self._loads,
+            "/get_load": self._get_load,
+        }
+        if path in getters or path == "/metrics":
+            if method != "GET":
+                await _send_json(conn, stream, 405, {"detail": "Method Not Allowed"})
+            elif path == "/metrics":
+                text = self.scheduler.metrics_text().encode()
+                await _send_body(
+                    conn, stream, 200, "text/plain; version=0.0.4; charset=utf-8", text
+                )
+            else:
+                status, obj = await getters[path]()
+                if obj is None:
+                    await _send_body(conn, stream, status, "text/plain; charset=utf-8", b"")
+                else:
+                    await _send_json(conn, stream, status, obj)
+        elif path in ("/v1/chat/completions", "/v1/completions"):
+            if method != "POST":
+                await _send_json(conn, stream, 405, {"detail": "Method Not Allowed"})
+                return
             try:
                 payload = json.loads(body or b"{}")
-            except ValueError:
-                await _send_json(
-                    conn, stream, 400, {"object": "error", "message": "invalid JSON body"}
-                )
+                if not isinstance(payload, dict):
+                    raise ValueError("the body is not a JSON object")
+                fault = self._fault_for(hdrs)
+            except ValueError as exc:
+                await _send_json(conn, stream, 400, _error_obj(str(exc), "BadRequest", 400))
                 return
-            await self._completion(conn, stream, path, payload, hdrs)
+            await self._completion(conn, stream, path, payload, hdrs, fault)
         else:
-            await _send_json(
-                conn, stream, 404, {"object": "error", "message": f"no route {method} {path}"}
-            )
+            await _send_json(conn, stream, 404, {"detail": "Not Found"})
+
+    # ---- GET endpoints ----------------------------------------------------------------
+
+    def _starting(self) -> bool:
+        return time.monotonic() - self.started_at < self.config.startup
+
+    async def _health(self) -> tuple[int, Any]:
+        return (503 if self._starting() else 200), None
+
+    async def _health_generate(self) -> tuple[int, Any]:
+        if self._starting():
+            return 503, None
+        sched = self.scheduler
+        tic = time.monotonic()
+        probe = SimRequest(
+            rid=f"HEALTH_CHECK_{uuid.uuid4().hex[:16]}",
+            prompt_tokens=1,
+            max_tokens=1,
+            internal=True,
+        )
+        sched.submit(probe)
+        ok = False
+        with anyio.move_on_after(self.config.health_timeout):
+            while not (probe.generated or sched.last_progress > tic):
+                await sched.progress.wait()
+            ok = True
+        sched.abort(probe)
+        probe.receive.close()
+        return (200 if ok else 503), None
+
+    async def _models(self) -> tuple[int, Any]:
+        cfg = self.config
+        card = {
+            "id": cfg.model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "sglang",
+            "root": cfg.model,
+            "max_model_len": cfg.context_length,
+        }
+        return 200, {"object": "list", "data": [card]}
+
+    async def _model_info(self) -> tuple[int, Any]:
+        # no model_path / tokenizer_path: the SGLang router would try to load a tokenizer
+        return 200, {
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+        }
+
+    async def _server_info(self) -> tuple[int, Any]:
+        cfg = self.config
+        host, port = self.bound or (cfg.host, cfg.port)
+        return 200, {
+            "served_model_name": cfg.model,
+            "host": host,
+            "port": port,
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "ep_size": 1,
+            "load_balance_method": "round_robin",
+            "disaggregation_mode": "null" if cfg.engine_type == "unified" else cfg.engine_type,
+            "disaggregation_bootstrap_port": 8998,
+            "context_length": cfg.context_length,
+            "max_running_requests": cfg.max_running,
+            "max_total_tokens": cfg.max_total_tokens,
+            "max_prefill_tokens": 16384,
+            "chunked_prefill_size": 8192,
+            "decode_log_interval": cfg.decode_log_interval,
+            "enable_metrics": True,
+            "max_total_num_tokens": cfg.max_total_tokens,
+            "max_req_input_len": cfg.context_length - 1,
+            "internal_states": [
+                {
+                    "avg_spec_accept_length": None,
+                    "last_gen_throughput": self.scheduler.last_gen_throughput,
+                }
+            ],
+            "version": SIM_VERSION,
+            "sim": True,
+        }
+
+    async def _loads(self) -> tuple[int, Any]:
+        await self.scheduler.unwedged.wait()  # SGLang asks the scheduler process
+        load = self.scheduler.load()
+        load["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
+        aggregate = {
+            "total_running_reqs": load["num_running_reqs"],
+            "total_waiting_reqs": load["num_waiting_reqs"],
+            "total_reqs": load["num_total_reqs"],
+            "total_used_tokens": load["num_used_tokens"],
+            "total_tokens": load["num_total_tokens"],
+            "avg_token_usage": load["token_usage"],
+            "avg_throughput": load["gen_throughput"],
+            "avg_utilization": load["utilization"],
+        }
+        return 200, {
+            "timestamp": load["timestamp"],
+            "version": SIM_VERSION,
+            "dp_rank_count": 1,
+            "loads": [load],
+            "aggregate": aggregate,
+        }
+
+    async def _get_load(self) -> tuple[int, Any]:
+        await self.scheduler.unwedged.wait()
+        load = self.scheduler.load()
+        return 200, [
+            {
+                "dp_rank": 0,
+                "num_reqs": load["num_total_reqs"],
+                "num_waiting_reqs": load["num_waiting_reqs"],
+                "num_tokens": load["num_used_tokens"],
+                "num_pending_tokens": 0,
+                "ts_tic": time.time(),
+            }
+        ]
+
+    # ---- completions ------------------------------------------------------------------
+
+    def _fault_for(self, hdrs: dict[str, str]) -> Fault | None:
+        self.completions += 1
+        spec = hdrs.get("x-sim-fault")
+        if spec is not None:
+            return None if spec.strip().lower() in ("", "none") else parse_fault(spec)
+        for rule in self.config.faults:
+            if rule.matches(self.completions):
+                return rule
+        return None
 
     async def _completion(
         self,
@@ -133,113 +463,270 @@ class SimEngine:
         path: str,
         payload: dict[str, Any],
         hdrs: dict[str, str],
+        fault: Fault | None,
     ) -> None:
         cfg = self.config
         chat = path.endswith("chat/completions")
-        tokens = int(
-            hdrs.get(
-                "x-sim-tokens",
-                payload.get("max_tokens") or payload.get("max_completion_tokens") or cfg.tokens,
-            )
-        )
-        ttft = float(hdrs.get("x-sim-ttft", cfg.ttft))
-        itl = float(hdrs.get("x-sim-itl", cfg.itl))
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        model = str(payload.get("model") or cfg.model)
-        prompt_tokens = _prompt_tokens(payload)
-        finish = "length"
-        usage = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": tokens,
-            "total_tokens": prompt_tokens + tokens,
-        }
-        if not payload.get("stream"):
-            await anyio.sleep(ttft + itl * max(0, tokens - 1))
-            text = "".join(_token(i) for i in range(tokens))
-            if chat:
-                choice: dict[str, Any] = {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": finish,
-                }
-                obj = "chat.completion"
-            else:
-                choice = {"index": 0, "text": text, "finish_reason": finish}
-                obj = "text_completion"
-            await _send_json(
-                conn,
-                stream,
-                200,
-                {
-                    "id": rid,
-                    "object": obj,
-                    "created": created,
-                    "model": model,
-                    "choices": [choice],
-                    "usage": usage,
-                },
-            )
+        limit = payload.get("max_completion_tokens") or payload.get("max_tokens")
+        if "x-sim-tokens" in hdrs:
+            tokens = int(hdrs["x-sim-tokens"])
+            finish = "length" if limit is not None and tokens >= int(limit) else "stop"
+        elif limit:
+            tokens, finish = int(limit), "length"
+        else:
+            tokens, finish = cfg.tokens, "stop"
+        if cfg.engine_type == "prefill":
+            tokens = min(tokens, 1)  # a prefill worker returns the first token only
+        if fault is not None and fault.kind == "500":
+            obj = _error_obj("Internal server error (sim fault)", "InternalServerError", 500)
+            await _send_json(conn, stream, 500, obj)
             return
-        head = h11.Response(
-            status_code=200,
-            headers=[("content-type", "text/event-stream"), ("cache-control", "no-cache")],
+        if fault is not None and fault.kind == "lost":
+            await self._lose(stream)
+            raise _Hangup(reset=False)
+        options = payload.get("stream_options")
+        ctx = _Ctx(
+            chat=chat,
+            rid=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+            created=int(time.time()),
+            model=str(payload.get("model") or cfg.model),
+            finish=finish,
+            include_usage=isinstance(options, dict) and bool(options.get("include_usage")),
         )
-        await stream.send(conn.send(head) or b"")
-        obj = "chat.completion.chunk" if chat else "text_completion"
+        stall = fault if fault is not None and fault.kind == "stall" else None
+        wedge = fault if fault is not None and fault.kind == "wedge" else None
+        req = SimRequest(
+            rid=ctx.rid,
+            prompt_tokens=_prompt_tokens(payload),
+            max_tokens=tokens,
+            ttft=float(hdrs["x-sim-ttft"]) if "x-sim-ttft" in hdrs else None,
+            itl=float(hdrs["x-sim-itl"]) if "x-sim-itl" in hdrs else None,
+            stall_after=stall.after if stall else None,
+            stall_for=stall.seconds if stall else 0.0,
+            wedge_after=wedge.after if wedge else None,
+            wedge_for=wedge.seconds if wedge else 0.0,
+        )
+        cut = fault if fault is not None and fault.kind in ("close", "reset", "error") else None
+        self.scheduler.submit(req)
+        outcome = "gone"
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_watch_client, conn, stream, tg.cancel_scope)
+                try:
+                    if payload.get("stream"):
+                        outcome = await self._stream(conn, stream, req, ctx, cut)
+                    else:
+                        outcome = await self._unary(conn, stream, req, ctx, cut)
+                except _SOCKET_ERRORS:
+                    outcome = "gone"
+                tg.cancel_scope.cancel()
+        finally:
+            self.scheduler.abort(req)  # no-op when it finished
+            req.receive.close()
+        if outcome in ("close", "reset", "gone"):
+            raise _Hangup(reset=outcome == "reset")
 
-        def chunk(
-            delta: dict[str, Any] | None, finish_reason: str | None, text: str | None = None
-        ) -> bytes:
-            if chat:
-                choice = {
-                    "index": 0,
-                    "delta": delta,
-                    "logprobs": None,
-                    "finish_reason": finish_reason,
-                }
-            else:
-                choice = {
-                    "index": 0,
-                    "text": text or "",
-                    "logprobs": None,
-                    "finish_reason": finish_reason,
-                }
-            body = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": model,
-                "choices": [choice],
-            }
-            return b"data: " + json.dumps(body).encode() + b"\n\n"
+    async def _lose(self, stream: SocketStream) -> None:
+        """Read and never answer, until the client gives up."""
+        self.lost += 1
+        try:
+            while True:
+                await stream.receive()
+        except _SOCKET_ERRORS:
+            pass
+        finally:
+            self.lost -= 1
 
+    async def _stream(
+        self,
+        conn: h11.Connection,
+        stream: SocketStream,
+        req: SimRequest,
+        ctx: _Ctx,
+        cut: Fault | None,
+    ) -> str:
         async def send(data: bytes) -> None:
             await stream.send(conn.send(h11.Data(data=data)) or b"")
 
-        await anyio.sleep(ttft)
-        if chat:
-            await send(chunk({"role": "assistant", "content": ""}, None))
-        for i in range(tokens):
-            if i:
-                await anyio.sleep(itl)
-            last = i == tokens - 1
-            await send(chunk({"content": _token(i)}, finish if last else None, _token(i)))
-        if tokens == 0:
-            await send(chunk({}, finish))
-        options = payload.get("stream_options") or {}
-        if isinstance(options, dict) and options.get("include_usage"):
-            body = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": model,
+        async def head() -> None:
+            response = h11.Response(
+                status_code=200,
+                headers=[
+                    *_server_headers(),
+                    ("content-type", "text/event-stream; charset=utf-8"),
+                ],
+            )
+            await stream.send(conn.send(response) or b"")
+
+        async def cut_here() -> str:
+            assert cut is not None
+            self.scheduler.abort(req)
+            if cut.kind != "error":
+                return cut.kind
+            err = _error_obj("Generation aborted (sim fault).", "INTERNAL_SERVER_ERROR", 500)
+            await send(b"data: " + json.dumps({"error": err}).encode() + b"\n\n")
+            await send(b"data: [DONE]\n\n")
+            await stream.send(conn.send(h11.EndOfMessage()) or b"")
+            return "error"
+
+        head_sent = self.config.early_headers
+        if head_sent:
+            await head()
+        delivered = 0
+        role_sent = not ctx.chat
+        async for index in req.receive:
+            if not head_sent:
+                await head()
+                head_sent = True
+            if cut is not None and delivered >= cut.after:
+                return await cut_here()
+            if not role_sent:
+                await send(_chunk(ctx, {"role": "assistant", "content": ""}))
+                role_sent = True
+            last = not ctx.chat and index == req.max_tokens - 1
+            await send(_chunk(ctx, {"content": _token(index)}, ctx.finish if last else None))
+            delivered += 1
+        if req.state != "finished":
+            return "gone"
+        if not head_sent:
+            await head()
+        if cut is not None:
+            return await cut_here()
+        if not role_sent:
+            await send(_chunk(ctx, {"role": "assistant", "content": ""}))
+        if ctx.chat or req.max_tokens == 0:
+            await send(_chunk(ctx, None, ctx.finish))
+        if ctx.include_usage:
+            usage = _usage(req.prompt_tokens, req.generated)
+            body: dict[str, Any] = {
+                "id": ctx.rid,
+                "object": "chat.completion.chunk" if ctx.chat else "text_completion",
+                "created": ctx.created,
+                "model": ctx.model,
                 "choices": [],
                 "usage": usage,
             }
-            await send(b"data: " + json.dumps(body).encode() + b"\n\n")
+            await send(b"data: " + _dumps(body) + b"\n\n")
         await send(b"data: [DONE]\n\n")
         await stream.send(conn.send(h11.EndOfMessage()) or b"")
+        return "done"
+
+    async def _unary(
+        self,
+        conn: h11.Connection,
+        stream: SocketStream,
+        req: SimRequest,
+        ctx: _Ctx,
+        cut: Fault | None,
+    ) -> str:
+        parts: list[str] = []
+        cut_now = False
+        async for index in req.receive:
+            if cut is not None and len(parts) >= cut.after:
+                cut_now = True
+                break
+            parts.append(_token(index))
+        if not cut_now:
+            if req.state != "finished":
+                return "gone"
+            cut_now = cut is not None  # after >= tokens: the cut comes at the end
+        if cut is not None and cut_now:
+            self.scheduler.abort(req)
+            if cut.kind != "error":
+                return cut.kind
+            obj = _error_obj("Generation aborted (sim fault).", "InternalServerError", 500)
+            await _send_json(conn, stream, 500, obj)
+            return "error"
+        text = "".join(parts)
+        if ctx.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "reasoning_content": None,
+                    "tool_calls": None,
+                },
+                "logprobs": None,
+                "finish_reason": ctx.finish,
+                "matched_stop": None,
+            }
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": ctx.finish,
+                "matched_stop": None,
+            }
+        await _send_json(
+            conn,
+            stream,
+            200,
+            {
+                "id": ctx.rid,
+                "object": "chat.completion" if ctx.chat else "text_completion",
+                "created": ctx.created,
+                "model": ctx.model,
+                "choices": [choice],
+                "usage": _usage(req.prompt_tokens, req.generated),
+            },
+        )
+        return "done"
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _chunk(ctx: _Ctx, delta: dict[str, Any] | None, finish: str | None = None) -> bytes:
+    """One SSE event as SGLang's pydantic models serialize it (compact, nulls kept)."""
+    if ctx.chat:
+        full = {"role": None, "content": None, "reasoning_content": None, "tool_calls": None}
+        full.update(delta or {})
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": full,
+            "logprobs": None,
+            "finish_reason": finish,
+            "matched_stop": None,
+        }
+        obj = "chat.completion.chunk"
+    else:
+        choice = {
+            "index": 0,
+            "text": (delta or {}).get("content", ""),
+            "logprobs": None,
+            "finish_reason": finish,
+            "matched_stop": None,
+        }
+        obj = "text_completion"
+    body = {
+        "id": ctx.rid,
+        "object": obj,
+        "created": ctx.created,
+        "model": ctx.model,
+        "choices": [choice],
+        "usage": None,
+    }
+    return b"data: " + _dumps(body) + b"\n\n"
+
+
+def _usage(prompt: int, completion: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": None,
+        "reasoning_tokens": 0,
+    }
+
+
+def _error_obj(message: str, kind: str, code: int) -> dict[str, Any]:
+    return {"object": "error", "message": message, "type": kind, "param": None, "code": code}
 
 
 def _token(i: int) -> str:
@@ -255,29 +742,78 @@ def _prompt_tokens(payload: dict[str, Any]) -> int:
     return max(1, len(text) // 4)
 
 
-async def _send_json(conn: h11.Connection, stream: SocketStream, status: int, obj: Any) -> None:
-    body = json.dumps(obj).encode()
+def _server_headers() -> list[tuple[str, str]]:
+    return [("date", formatdate(usegmt=True)), ("server", "uvicorn")]
+
+
+async def _send_body(
+    conn: h11.Connection, stream: SocketStream, status: int, ctype: str, body: bytes
+) -> None:
     head = h11.Response(
         status_code=status,
-        headers=[("content-type", "application/json"), ("content-length", str(len(body)))],
+        headers=[
+            *_server_headers(),
+            ("content-length", str(len(body))),
+            ("content-type", ctype),
+        ],
     )
-    await stream.send(conn.send(head) or b"")
-    await stream.send(conn.send(h11.Data(data=body)) or b"")
+    await stream.send((conn.send(head) or b"") + (conn.send(h11.Data(data=body)) or b""))
     await stream.send(conn.send(h11.EndOfMessage()) or b"")
 
 
+async def _send_json(conn: h11.Connection, stream: SocketStream, status: int, obj: Any) -> None:
+    await _send_body(conn, stream, status, "application/json", _dumps(obj))
+
+
+async def _bad_request(conn: h11.Connection, stream: SocketStream) -> None:
+    """What uvicorn answers to bytes that are not HTTP/1.x."""
+    body = b"Invalid HTTP request received."
+    try:
+        if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            await _send_body(conn, stream, 400, "text/plain; charset=utf-8", body)
+    except (*_SOCKET_ERRORS, h11.LocalProtocolError):
+        pass
+
+
+async def _watch_client(
+    conn: h11.Connection, stream: SocketStream, scope: anyio.CancelScope
+) -> None:
+    """While a response is produced: a client that closes aborts the request."""
+    try:
+        while True:
+            conn.receive_data(await stream.receive())  # pipelined bytes wait in h11
+    except (*_SOCKET_ERRORS, h11.RemoteProtocolError):
+        scope.cancel()
+
+
+def _set_linger_zero(stream: SocketStream) -> None:
+    try:
+        sock = stream.extra(SocketAttribute.raw_socket)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except (OSError, anyio.TypedAttributeLookupError):
+        pass
+
+
 async def _read_request(
-    conn: h11.Connection, stream: SocketStream
+    conn: h11.Connection, stream: SocketStream, idle: float
 ) -> tuple[h11.Request, bytes] | None:
+    """The next request, or None when the client closes or stays idle ``idle`` seconds."""
     request: h11.Request | None = None
     body = bytearray()
     while True:
         event = conn.next_event()
         if event is h11.NEED_DATA:
-            try:
-                data = await stream.receive()
-            except anyio.EndOfStream:
-                data = b""
+            data = b""
+            if request is None and not conn.trailing_data[0]:
+                with anyio.move_on_after(idle), contextlib.suppress(anyio.EndOfStream):
+                    data = await stream.receive()
+                if not data:
+                    return None  # idle keep-alive timeout, or the client closed
+            else:
+                try:
+                    data = await stream.receive()
+                except anyio.EndOfStream:
+                    data = b""
             conn.receive_data(data)
             continue
         if isinstance(event, h11.Request):

@@ -1,0 +1,262 @@
+"""``tracer sim engine`` and ``tracer sim harness``.
+
+``register(sub)`` adds both subcommands to the ``sim`` subparser's subparsers object;
+``run(args)`` runs the one chosen. ``python -m tracer.sim.cli engine|harness ...`` works on
+its own as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+import anyio
+
+ENGINE_EPILOG = """\
+faults (--fault, repeatable; the first rule that matches a request wins):
+  KIND[:key=value]...   KIND is one of
+    stall   after=N tokens the request gets nothing for for=S seconds (still running)
+    wedge   after=N tokens the whole scheduler stops for for=S seconds
+    lost    read the request, never answer (neither running nor queued)
+    close   after=N content chunks close the connection (FIN), no terminating chunk
+    reset   the same with RST
+    500     HTTP 500 before any stream
+    error   after=N chunks: data: {"error": ...}, then data: [DONE]
+  selectors on the completion counter (1, 2, 3 ...): every=N, nth=K, from=K
+  defaults: after=1, for=30; no selector = every request
+  a request can choose its own with the header  x-sim-fault: SPEC  (or: none)
+
+examples:
+  tracer sim engine --listen 127.0.0.1:30000 --max-running 8 --fault stall:after=3:for=10:every=5
+  tracer sim engine --engine-type decode --fault lost:nth=2 --fault reset:after=2:from=10
+
+The engine prints one line to stderr when ready:  sim engine listening on http://HOST:PORT
+"""
+
+
+def _hostport(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return (host.strip("[]") or "127.0.0.1"), int(port)
+
+
+def _fault(value: str) -> object:
+    from .engine import parse_fault
+
+    try:
+        return parse_fault(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    se = sub.add_parser(
+        "engine",
+        help="a simulated SGLang engine (OpenAI API, batch scheduler, SGLang metrics)",
+        epilog=ENGINE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    se.set_defaults(sim_action="engine")
+    se.add_argument("--listen", default="127.0.0.1:30000", type=_hostport, metavar="HOST:PORT")
+    se.add_argument("--model", default="sim-model", help="served model name")
+    se.add_argument(
+        "--tokens", type=int, default=16, help="output tokens when a request has no max_tokens"
+    )
+    se.add_argument(
+        "--ttft", type=float, default=0.02, metavar="SECONDS", help="prefill time of a batch"
+    )
+    se.add_argument(
+        "--prefill-per-token",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="extra prefill time per prompt token",
+    )
+    se.add_argument(
+        "--itl", type=float, default=0.005, metavar="SECONDS", help="decode step, one request"
+    )
+    se.add_argument(
+        "--batch-alpha",
+        type=float,
+        default=0.05,
+        help="decode step = itl x (1 + alpha x (running - 1))",
+    )
+    se.add_argument("--max-running", type=int, default=64, help="running batch limit")
+    se.add_argument(
+        "--keepalive",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="close idle keep-alive connections after this (uvicorn: 5)",
+    )
+    se.add_argument(
+        "--decode-log-interval",
+        type=int,
+        default=40,
+        metavar="STEPS",
+        help="decode steps between gauge writes (SGLang: 40)",
+    )
+    se.add_argument(
+        "--idle-refresh",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="gauge refresh while idle (SGLang: 30)",
+    )
+    se.add_argument("--max-total-tokens", type=int, default=262144, help="KV pool, for token_usage")
+    se.add_argument("--context-length", type=int, default=32768)
+    se.add_argument(
+        "--engine-type",
+        choices=["unified", "prefill", "decode"],
+        default="unified",
+        help="the engine_type label and disaggregation_mode (prefill answers 1 token)",
+    )
+    se.add_argument(
+        "--token-counters",
+        choices=["live", "finish"],
+        default="live",
+        help="count prompt/generation tokens as produced (live) or when a request "
+        "finishes (finish, as SGLang does)",
+    )
+    se.add_argument(
+        "--startup", type=float, default=0.0, metavar="SECONDS", help="/health is 503 this long"
+    )
+    se.add_argument("--health-timeout", type=float, default=20.0, metavar="SECONDS")
+    se.add_argument(
+        "--early-headers",
+        action="store_true",
+        help="send the response head at once (vLLM) instead of with the first token (SGLang)",
+    )
+    se.add_argument(
+        "--fault", action="append", type=_fault, default=[], metavar="SPEC", help="see below"
+    )
+
+    sh = sub.add_parser(
+        "harness",
+        help="a multi-round streaming agent harness (openai SDK)",
+        description="S sessions x R rounds of streaming chat completions; prints one line "
+        "per round and exits 1 if any round did not complete.",
+    )
+    sh.set_defaults(sim_action="harness")
+    sh.add_argument("--target", required=True, metavar="URL", help="http://HOST:PORT")
+    sh.add_argument("--sessions", type=int, default=2)
+    sh.add_argument("--rounds", type=int, default=3)
+    sh.add_argument(
+        "--think", type=float, default=0.2, metavar="SECONDS", help="idle gap between rounds"
+    )
+    sh.add_argument(
+        "--deadline",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a round not complete by then is hung",
+    )
+    sh.add_argument("--max-tokens", type=int, default=8)
+    sh.add_argument("--model", default="sim-model")
+
+
+def run(args: argparse.Namespace) -> int:
+    action = getattr(args, "sim_action", None) or getattr(args, "sim_command", None)
+    if action == "engine":
+        return _engine(args)
+    if action == "harness":
+        return _harness(args)
+    raise ValueError(f"unknown sim command {action!r}")
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from .engine import EngineConfig, SimEngine
+
+    host, port = args.listen if isinstance(args.listen, tuple) else _hostport(args.listen)
+    engine = SimEngine(
+        EngineConfig(
+            host=host,
+            port=port,
+            model=args.model,
+            tokens=args.tokens,
+            ttft=args.ttft,
+            itl=args.itl,
+            keepalive=args.keepalive,
+            max_running=args.max_running,
+            prefill_per_token=args.prefill_per_token,
+            batch_alpha=args.batch_alpha,
+            decode_log_interval=args.decode_log_interval,
+            idle_refresh=args.idle_refresh,
+            max_total_tokens=args.max_total_tokens,
+            context_length=args.context_length,
+            engine_type=args.engine_type,
+            token_counters=args.token_counters,
+            startup=args.startup,
+            health_timeout=args.health_timeout,
+            early_headers=args.early_headers,
+            faults=list(args.fault),
+        )
+    )
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                bound = await tg.start(engine.serve)
+                print(
+                    f"sim engine listening on http://{bound[0]}:{bound[1]}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                async for _ in signals:
+                    tg.cancel_scope.cancel()
+                    return
+
+    anyio.run(main)
+    return 0
+
+
+def _harness(args: argparse.Namespace) -> int:
+    from .harness import HarnessConfig, HarnessReport, print_report, run_harness
+
+    cfg = HarnessConfig(
+        base_url=args.target,
+        sessions=args.sessions,
+        rounds=args.rounds,
+        think=args.think,
+        max_tokens=args.max_tokens,
+        deadline=args.deadline,
+        model=args.model,
+    )
+
+    async def main() -> int:
+        report: HarnessReport | None = None
+        async with anyio.create_task_group() as tg:
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+
+                async def stop() -> None:
+                    async for _ in signals:
+                        tg.cancel_scope.cancel()
+                        return
+
+                tg.start_soon(stop)
+                report = await run_harness(cfg)
+                tg.cancel_scope.cancel()
+        if report is None:
+            print("interrupted", file=sys.stderr)
+            return 130
+        print_report(report, sys.stdout)
+        sys.stdout.flush()
+        return 1 if report.failed or report.not_run else 0
+
+    return anyio.run(main)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tracer sim")
+    register(parser.add_subparsers(dest="sim_command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
