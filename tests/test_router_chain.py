@@ -1,0 +1,213 @@
+"""The real chain: harness -> tap -> the real SGLang router (smg) -> two simulated engines.
+
+The tap scrapes both engines and the router's own metrics port; the capture must hold
+all three, and the engines' token counters must account for every token the harness
+received. A second test puts the poller against one engine under load: running and
+queued rise and fall as they should.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from tracer.capture import read_records
+from tracer.sim.harness import HarnessConfig, run_harness
+
+from .conftest import wait_until
+from .test_cli_proxy import _free_port, tracer_proxy
+from .test_sim_engine import SMG, engine_running
+
+pytestmark = pytest.mark.anyio
+
+
+@asynccontextmanager
+async def router(tmp_path: Path, *workers: str) -> AsyncIterator[tuple[str, str]]:
+    """`smg launch` on loopback; yields (router URL, its Prometheus metrics URL)."""
+    port, prom = await _free_port(), await _free_port()
+    log_path = tmp_path / "smg.log"
+    cmd = [
+        str(SMG),
+        "launch",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *workers,
+        "--policy",
+        "round_robin",
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(prom),
+        "--log-level",
+        "warn",
+    ]
+    with log_path.open("wb") as log_file:
+        process = await anyio.open_process(cmd, stdin=None, stdout=log_file, stderr=log_file)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient(timeout=2) as client:
+
+            async def ready() -> bool:
+                try:
+                    return (await client.get(url + "/readiness")).status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            with anyio.fail_after(20):
+                while not await ready():
+                    assert process.returncode is None, log_path.read_text(errors="replace")
+                    await anyio.sleep(0.1)
+        yield url, f"http://127.0.0.1:{prom}/metrics"
+    finally:
+        if process.returncode is None:
+            os.kill(process.pid, signal.SIGTERM)
+            with anyio.move_on_after(5):
+                await process.wait()
+        if process.returncode is None:
+            process.kill()
+        with anyio.CancelScope(shield=True):
+            await process.aclose()
+
+
+@pytest.mark.skipif(not SMG.exists(), reason="smg (sglang-router) is not installed")
+async def test_harness_through_tap_and_router_with_engine_evidence(tmp_path: Path) -> None:
+    capture = tmp_path / "front.jsonl"
+    sessions, rounds, max_tokens = 2, 3, 8
+    async with (
+        engine_running(ttft=0.0, itl=0.002) as w1,
+        engine_running(ttft=0.0, itl=0.002) as w2,
+        router(tmp_path, w1.url, w2.url) as (router_url, router_metrics),
+        tracer_proxy(
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            router_url,
+            "--capture",
+            str(capture),
+            "--tap",
+            "front",
+            "--engine-metrics",
+            f"{w1.url}/metrics",
+            "--engine-metrics",
+            f"{w2.url}/metrics",
+            "--engine-metrics",
+            router_metrics,
+            "--health",
+            f"{router_url}/readiness",
+            "--metrics-interval",
+            "0.2",
+        ) as proc,
+    ):
+        report = await run_harness(
+            HarnessConfig(
+                base_url=proc.url,
+                sessions=sessions,
+                rounds=rounds,
+                think=0.1,
+                max_tokens=max_tokens,
+                deadline=20,
+            )
+        )
+        total = sessions * rounds * max_tokens
+        assert w1.scheduler.generation_tokens_total + w2.scheduler.generation_tokens_total == total
+
+        def engines_caught_up() -> bool:
+            latest: dict[str, int] = {}
+            for r in read_records(capture):
+                if (
+                    r["type"] == "engine"
+                    and r["ok"]
+                    and r["source"] == "metrics"
+                    and r["profile"] == "sglang"
+                ):
+                    latest[r["url"]] = r["state"]["generation_tokens_total"] or 0
+            return len(latest) == 2 and sum(latest.values()) == total
+
+        await wait_until(engines_caught_up, timeout=10)
+    assert [r.outcome for r in report.rounds] == ["complete"] * (sessions * rounds)
+    records = list(read_records(capture))
+    samples = [r for r in records if r["type"] == "engine" and r["source"] == "metrics"]
+    assert any(r["type"] == "engine" and r["source"] == "loads" for r in records)
+    by_url: dict[str, list[dict[str, object]]] = {}
+    for s in samples:
+        by_url.setdefault(str(s["url"]), []).append(s)
+    assert set(by_url) == {f"{w1.url}/metrics", f"{w2.url}/metrics", router_metrics}
+    router_ok = [s for s in by_url[router_metrics] if s["ok"]]
+    assert router_ok and router_ok[-1]["profile"] in ("smg", "sgl_router")
+    # counters: first value + the deltas = the tokens the harness received
+    accounted = 0
+    for url in (f"{w1.url}/metrics", f"{w2.url}/metrics"):
+        ok = [s for s in by_url[url] if s["ok"]]
+        first = ok[0]["state"]["generation_tokens_total"]  # type: ignore[index]
+        deltas = sum(
+            int(s["deltas"].get("generation_tokens_total") or 0)  # type: ignore[union-attr]
+            for s in ok[1:]
+            if s.get("deltas")
+        )
+        assert first + deltas == ok[-1]["state"]["generation_tokens_total"]  # type: ignore[index]
+        accounted += first + deltas
+    assert accounted == total
+    health = [r for r in records if r["type"] == "health"]
+    assert health and health[-1]["ok"] and health[-1]["status"] == 200
+    requests = [r for r in records if r["type"] == "request"]
+    assert len(requests) == sessions * rounds
+    assert sorted(r["seq"] for r in requests) == [1, 1, 2, 2, 3, 3]  # keep-alive reuse kept
+
+
+async def test_poller_sees_load_rise_and_fall(tmp_path: Path) -> None:
+    """max_running=2 and 6 concurrent streams: running 2, queued up to 4, then both 0."""
+    capture = tmp_path / "watch.jsonl"
+    async with engine_running(
+        ttft=0.0, itl=0.02, max_running=2, decode_log_interval=1, idle_refresh=0.2
+    ) as engine:
+        async with tracer_proxy(
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            engine.url,
+            "--capture",
+            str(capture),
+            "--engine-metrics",
+            f"{engine.url}/metrics",
+            "--metrics-interval",
+            "0.05",
+        ) as proc:
+            report = await run_harness(
+                HarnessConfig(base_url=proc.url, sessions=6, rounds=1, max_tokens=20, deadline=20)
+            )
+
+            def idle_again() -> bool:
+                states = [
+                    r["state"]
+                    for r in read_records(capture)
+                    if r["type"] == "engine" and r["ok"] and r["source"] == "metrics"
+                ]
+                return bool(states) and states[-1]["running"] == 0 and states[-1]["queued"] == 0
+
+            await wait_until(idle_again, timeout=10)
+    assert all(r.outcome == "complete" for r in report.rounds)
+    states = [
+        r["state"]
+        for r in read_records(capture)
+        if r["type"] == "engine" and r["ok"] and r["source"] == "metrics"
+    ]
+    assert max(s["running"] for s in states) == 2
+    assert max(s["queued"] for s in states) >= 2
+    loads = [
+        r["state"]
+        for r in read_records(capture)
+        if r["type"] == "engine" and r["source"] == "loads" and r["ok"]
+    ]
+    assert loads and max(s["running"] for s in loads) == 2
