@@ -1,9 +1,11 @@
 """From events to per-connection and per-request tables: a pure fold over a capture.
 
-``Summary.feed(event)`` accepts events in capture order; ``Summary.result()`` gives the
-rows. Nothing here reads files or clocks: the same events always give the same rows.
-The full attribution (findings) builds on these rows in a later step; the JSON carries
-an empty ``findings`` list until then. Schema: ``captures/ANALYSIS.md``.
+``Summary.feed(event)`` accepts events in capture order (several captures one after the
+other); ``Summary.result()`` gives the rows, the evidence timelines (engine samples,
+probes, health, injected faults, hang marks) and the findings of ``tracer/findings.py``.
+Nothing here reads files or clocks: the same events always give the same output. Memory
+holds one row per request and connection plus per-request statistics of event timing,
+never the events themselves. Schema: ``captures/ANALYSIS.md``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from typing import Any
 
 from . import events as ev
 
-SCHEMA = "tracer.analysis/1"
+SCHEMA = "tracer.analysis/2"
+ZERO_GAP = 0.001  # events closer than this arrived together
+BUNCH_GAP = (0.030, 0.060)  # the delayed-ACK hold of a hop without TCP_NODELAY
 
 
 @dataclass
@@ -55,6 +59,17 @@ class RequestRow:
     detail: str | None = None
     stalls: list[dict[str, Any]] = field(default_factory=list)
     by_tracer: bool = False
+    end: float | None = None  # wall clock of the response's end
+    keep_alive: bool | None = None
+    after_close: bool = False  # sent after the previous response said Connection: close
+    body_sha256: str | None = None
+    # SSE arrival statistics (per event, from the body records)
+    first_event: float | None = None
+    last_event: float | None = None
+    event_gaps: int = 0
+    zero_gaps: int = 0
+    bunch_gaps: int = 0  # gaps of 30-60 ms
+    injected: list[str] = field(default_factory=list)  # faults the tap injected itself
 
 
 @dataclass
@@ -90,6 +105,12 @@ class Summary:
     events: int = 0
     first_t: float | None = None
     last_t: float | None = None
+    engine: list[dict[str, Any]] = field(default_factory=list)  # engine samples, compact
+    probes: list[dict[str, Any]] = field(default_factory=list)
+    health: list[dict[str, Any]] = field(default_factory=list)
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    marks: list[float] = field(default_factory=list)  # "the harness was seen hung" times
+    _closing: dict[tuple[str, int], bool] = field(default_factory=dict)
 
     def feed(self, event: ev.Event) -> None:
         self.events += 1
@@ -162,6 +183,7 @@ class Summary:
                     target=event.target,
                     request_id=event.request_id,
                     pipelined=event.pipelined,
+                    after_close=self._closing.get((event.tap, event.conn), False),
                 )
                 conn = self._conn(event.tap, event.conn)
                 if conn is not None:
@@ -176,12 +198,16 @@ class Summary:
                     req.stream = event.stream
                     req.max_tokens = event.max_tokens
                     req.messages = event.messages
+                    req.body_sha256 = event.body_sha256
             case ev.ResponseHead():
                 req = self._request(event.tap, event.conn, event.seq, event.t)
                 req.status = event.status
                 req.sse = event.sse
                 req.ttfb = event.ttfb
                 req.by_tracer = event.by_tracer
+                req.keep_alive = event.keep_alive
+                if not event.keep_alive:
+                    self._closing[(event.tap, event.conn)] = True
             case ev.ResponseEnd():
                 req = self._request(event.tap, event.conn, event.seq, event.t)
                 req.termination = event.termination
@@ -199,6 +225,7 @@ class Summary:
                 req.close = event.close
                 req.mid_event = event.mid_event
                 req.detail = event.detail
+                req.end = event.t
             case ev.Stall():
                 req = self._request(event.tap, event.conn, event.seq, event.t)
                 if event.phase == "start":
@@ -213,12 +240,80 @@ class Summary:
                 elif req.stalls and req.stalls[-1]["end"] is None:
                     req.stalls[-1]["end"] = event.t
                     req.stalls[-1]["duration"] = event.silent_for
+            case ev.BodyData():
+                if event.sse:
+                    self._event_times(event)
+            case ev.EngineSample():
+                self.engine.append(
+                    {
+                        "t": event.t,
+                        "tap": event.tap,
+                        "url": event.url,
+                        "source": event.source,
+                        "ok": event.ok,
+                        "error": event.error,
+                        "profile": event.profile,
+                        "state": event.state,
+                        "deltas": event.deltas,
+                        "restarted": event.restarted,
+                    }
+                )
+            case ev.Probe():
+                self.probes.append(
+                    {
+                        "t": event.t,
+                        "tap": event.tap,
+                        "url": event.url,
+                        "target": event.target,
+                        "outcome": event.outcome,
+                        "status": event.status,
+                        "latency": event.latency,
+                        "reason": event.reason,
+                        "trigger": [event.trigger_conn, event.trigger_seq],
+                    }
+                )
+            case ev.HealthSample():
+                self.health.append(
+                    {
+                        "t": event.t,
+                        "tap": event.tap,
+                        "url": event.url,
+                        "ok": event.ok,
+                        "status": event.status,
+                        "error": event.error,
+                    }
+                )
             case ev.Anomaly():
                 conn = self._conn(event.tap, event.conn)
                 if conn is not None:
                     conn.anomalies.append(f"{event.direction}: {event.error}")
             case _:
-                pass
+                if event.TYPE == "fault":  # injected by the tap itself (--fault)
+                    record = event.to_record()
+                    self.faults.append(record)
+                    conn, seq = record.get("conn"), record.get("seq")
+                    if isinstance(conn, int) and isinstance(seq, int):
+                        req = self._request(event.tap, conn, seq, event.t)
+                        req.injected.append(str(record.get("spec") or record.get("fault")))
+                elif event.TYPE == "mark":
+                    self.marks.append(event.t)
+
+    def _event_times(self, event: ev.BodyData) -> None:
+        req = self._request(event.tap, event.conn, event.seq, event.t)
+        for item in event.sse or []:
+            if item[2] == "comment":
+                continue
+            at = event.t + item[0]
+            if req.last_event is not None:
+                gap = at - req.last_event
+                req.event_gaps += 1
+                if gap < ZERO_GAP:
+                    req.zero_gaps += 1
+                elif BUNCH_GAP[0] <= gap <= BUNCH_GAP[1]:
+                    req.bunch_gaps += 1
+            else:
+                req.first_event = at
+            req.last_event = at
 
     def _conn(self, tap: str, conn: int) -> ConnectionRow | None:
         return self.connections.get((tap, conn))
@@ -241,9 +336,31 @@ class Summary:
             self.requests[key] = req
         return req
 
-    def result(self, *, captures: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def result(
+        self,
+        *,
+        captures: list[dict[str, Any]] | None = None,
+        hang_at: list[float] | None = None,
+        client_facing: list[str] | None = None,
+    ) -> dict[str, Any]:
+        from .findings import Evidence, find
+
         conns = sorted(self.connections.values(), key=lambda c: (c.tap, c.opened, c.conn))
         reqs = sorted(self.requests.values(), key=lambda r: (r.tap, r.conn, r.seq))
+        marks = sorted([*self.marks, *(hang_at or [])])
+        evidence = Evidence(
+            taps=self.taps,
+            connections=conns,
+            requests=reqs,
+            engine=self.engine,
+            probes=self.probes,
+            health=self.health,
+            faults=self.faults,
+            marks=marks,
+            client_facing=set(client_facing or []),
+            end=self.last_t,
+        )
+        findings, verdict = find(evidence)
         terminations: dict[str, int] = {}
         for r in reqs:
             terminations[r.termination] = terminations.get(r.termination, 0) + 1
@@ -263,5 +380,14 @@ class Summary:
             },
             "connections": [asdict(c) for c in conns],
             "requests": [asdict(r) for r in reqs],
-            "findings": [],
+            "verdict": verdict,
+            "findings": findings,
+            "evidence": {
+                "engine_samples": len(self.engine),
+                "engine_urls": sorted({e["url"] for e in self.engine}),
+                "probes": self.probes,
+                "health_samples": len(self.health),
+                "injected_faults": len(self.faults),
+                "marks": marks,
+            },
         }

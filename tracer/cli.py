@@ -15,7 +15,7 @@ from . import __version__, logs
 from .analysis import Summary
 from .capture import CaptureError, CaptureWriter, ReadStats, read_events
 from .relay import Tap, TapConfig, parse_hostport, parse_upstream
-from .render import to_json, to_text
+from .render import to_json, to_markdown, to_text
 
 EXIT_USAGE = 2
 EXIT_INPUT = 3
@@ -128,7 +128,22 @@ def _parser() -> argparse.ArgumentParser:
 
     an = sub.add_parser("analyze", help="tables (and findings) from captures")
     an.add_argument("captures", nargs="+", metavar="CAPTURE")
-    an.add_argument("--format", choices=["text", "json"], default="text")
+    an.add_argument("--format", choices=["text", "json", "md"], default="text")
+    an.add_argument(
+        "--hang-at",
+        action="append",
+        default=[],
+        metavar="TIME",
+        help="the harness was seen hung at about this time (repeatable): "
+        "ISO 8601, epoch seconds, or +SECONDS from the capture's start",
+    )
+    an.add_argument(
+        "--client-facing",
+        action="append",
+        default=[],
+        metavar="TAP",
+        help="this tap's clients are the harness itself (no proxy in front)",
+    )
 
     demo = sub.add_parser("demo", help="a real end-to-end run on this machine")
     demo.add_argument("--out", default="demo-out", metavar="DIR")
@@ -405,7 +420,37 @@ def _analyze(args: argparse.Namespace) -> int:
                 "version": stats.version,
             }
         )
-    result = summary.result(captures=captures)
-    out = to_json(result) if args.format == "json" else to_text(result)
+    marks = [parse_time(value, summary.first_t) for value in args.hang_at]
+    result = summary.result(captures=captures, hang_at=marks, client_facing=args.client_facing)
+    if args.format == "json":
+        out = to_json(result)
+    elif args.format == "md":
+        out = to_markdown(result)
+    else:
+        out = to_text(result)
     sys.stdout.write(out)
     return 0
+
+
+def parse_time(value: str, origin: float | None) -> float:
+    """``--hang-at``: ISO 8601, epoch seconds, or ``+SECONDS`` from the capture's start."""
+    from datetime import datetime
+
+    text = value.strip()
+    if text.startswith("+"):
+        if origin is None:
+            raise ValueError(f"--hang-at {value}: the captures have no start time")
+        return origin + float(text[1:])
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError as exc:
+        raise ValueError(f"--hang-at {value}: not ISO 8601, epoch seconds or +SECONDS") from exc
+    if moment.tzinfo is None:
+        from datetime import UTC
+
+        moment = moment.replace(tzinfo=UTC)
+    return moment.timestamp()

@@ -26,11 +26,45 @@ def _rel(value: float | None, origin: float) -> str:
     return "-" if value is None else f"+{value - origin:.3f}s"
 
 
+def _rel_time(t: float | None, origin: float) -> str:
+    return "-" if t is None else f"+{t - origin:.3f}s"
+
+
+def verdict_lines(result: dict[str, Any]) -> list[str]:
+    """The verdict, then each finding: party, kind, why, evidence, what is ruled out."""
+    origin = result["time_range"]["start"] or 0.0
+    v = result.get("verdict") or {}
+    lines = [
+        f"VERDICT: {v.get('party', 'none')} — {v.get('kind', 'healthy')} "
+        f"({v.get('confidence', '-')} confidence). {v.get('summary', '')}"
+    ]
+    for r in v.get("ruled_out") or []:
+        lines.append(f"  ruled out {r['party']}: {r['why']}")
+    for f in result.get("findings") or []:
+        tag = "note" if f["note"] else f"{f['party']}, {f['confidence']}"
+        lines.append("")
+        lines.append(
+            f"{f['id']} [{tag}] {f['kind']} at {_rel_time(f['t'], origin)}: {f['summary']}"
+        )
+        if f["requests"]:
+            lines.append(f"  requests: {', '.join(f['requests'])}")
+        for item in f["evidence"]:
+            lines.append(f"  - {item}")
+        for r in f["ruled_out"]:
+            lines.append(f"  ruled out {r['party']}: {r['why']}")
+        if f.get("settle"):
+            lines.append(f"  to settle: {f['settle']}")
+    return lines
+
+
 def to_text(result: dict[str, Any], *, width: int = 160) -> str:
     buf = io.StringIO()
     console = Console(
         file=buf, width=width, color_system=None, force_terminal=False, highlight=False
     )
+    for line in verdict_lines(result):
+        console.print(line, markup=False, soft_wrap=True)
+    console.print()
     totals = result["totals"]
     origin = result["time_range"]["start"] or 0.0
     taps = ", ".join(t["tap"] for t in result["taps"]) or "-"
@@ -122,3 +156,91 @@ def to_text(result: dict[str, Any], *, width: int = 160) -> str:
         )
     console.print(reqs)
     return buf.getvalue()
+
+
+def _md_cell(value: Any) -> str:
+    return "-" if value is None or value == "" else str(value).replace("|", "\\|")
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    """Verdict first, then findings and the tables, as Markdown."""
+    origin = result["time_range"]["start"] or 0.0
+    v = result.get("verdict") or {}
+    out = [
+        "# tracer analysis",
+        "",
+        f"**Verdict: {v.get('party', 'none')} — {v.get('kind', 'healthy')}** "
+        f"({v.get('confidence', '-')} confidence). {v.get('summary', '')}",
+        "",
+    ]
+    for r in v.get("ruled_out") or []:
+        out.append(f"- ruled out **{r['party']}**: {r['why']}")
+    if result.get("findings"):
+        out += ["", "## Findings", ""]
+    for f in result.get("findings") or []:
+        tag = "note" if f["note"] else f"{f['party']}, {f['confidence']} confidence"
+        out.append(f"### {f['id']} `{f['kind']}` ({tag}) at {_rel_time(f['t'], origin)}")
+        out.append("")
+        out.append(f["summary"])
+        out.append("")
+        if f["requests"]:
+            out.append(f"Requests: {', '.join('`' + r + '`' for r in f['requests'])}")
+            out.append("")
+        out += [f"- {item}" for item in f["evidence"]]
+        out += [f"- ruled out **{r['party']}**: {r['why']}" for r in f["ruled_out"]]
+        if f.get("settle"):
+            out.append(f"- to settle: {f['settle']}")
+        out.append("")
+    out += [
+        "## Requests",
+        "",
+        "| request | start | idle before | method target | x-request-id | status | ttfb | "
+        "first token | duration | events | [DONE] | termination |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["requests"]:
+        out.append(
+            "| "
+            + " | ".join(
+                _md_cell(x)
+                for x in (
+                    r["id"],
+                    _rel_time(r["start"], origin),
+                    f"{r['idle_before']:.3f}s" if r["reused"] else "fresh",
+                    f"{r['method']} {r['target']}",
+                    r["request_id"],
+                    r["status"],
+                    _ms(r["ttfb"]),
+                    _ms(r["first_token"]),
+                    _ms(r["duration"]),
+                    r["events"] if r["sse"] else None,
+                    ("yes" if r["done"] else "no") if r["sse"] else None,
+                    r["termination"],
+                )
+            )
+            + " |"
+        )
+    out += [
+        "",
+        "## Connections",
+        "",
+        "| connection | peer | requests | closed by | how | in flight at close |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in result["connections"]:
+        out.append(
+            "| "
+            + " | ".join(
+                _md_cell(x)
+                for x in (
+                    c["id"],
+                    c["peer"],
+                    c["requests"],
+                    c["closed_by"] or "open",
+                    c["how"],
+                    c["in_flight_at_close"],
+                )
+            )
+            + " |"
+        )
+    return "\n".join(out) + "\n"

@@ -1,0 +1,360 @@
+"""Attribution as a pure function: synthetic event streams in, findings and verdict out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tracer import events as ev
+from tracer.analysis import Summary
+
+PROXY = "http://127.0.0.1:8001"  # a hop between the tap and the router
+ROUTER = "http://127.0.0.1:8000"
+ENGINE = "http://127.0.0.1:30000"
+
+
+class Cap:
+    """Builds one tap's event stream."""
+
+    def __init__(self, tap: str = "front", upstream: str = PROXY, t0: float = 1000.0) -> None:
+        self.tap, self.t0 = tap, t0
+        self.events: list[ev.Event] = [
+            ev.CaptureStart(
+                t=t0, m=t0, tap=tap, tracer_version="t", kind="proxy", upstream=upstream
+            )
+        ]
+        self._opened: set[int] = set()
+
+    def _e(self, cls: type[Any], t: float, **kw: Any) -> None:
+        self.events.append(cls(t=self.t0 + t, m=self.t0 + t, tap=self.tap, **kw))
+
+    def exchange(
+        self,
+        conn: int,
+        seq: int,
+        t: float,
+        *,
+        rid: str | None = None,
+        idle: float = 0.0,
+        ttfb: float = 0.01,
+        events: int = 5,
+        itl: float = 0.02,
+        end: str | None = "complete",
+        error: str | None = None,
+        status: int = 200,
+    ) -> None:
+        if conn not in self._opened:
+            self._opened.add(conn)
+            self._e(ev.ConnOpen, t - 0.001, conn=conn, peer="127.0.0.1:5", local="127.0.0.1:6")
+        self._e(
+            ev.RequestHead,
+            t,
+            conn=conn,
+            seq=seq,
+            idle_before=idle,
+            method="POST",
+            target="/v1/chat/completions",
+            version="1.1",
+            headers=[],
+            request_id=rid,
+        )
+        self._e(ev.RequestEnd, t, conn=conn, seq=seq, complete=True, body_bytes=10, body_sha256="x")
+        if end is None:
+            return
+        if ttfb is not None and status:
+            self._e(
+                ev.ResponseHead,
+                t + ttfb,
+                conn=conn,
+                seq=seq,
+                status=status,
+                reason="",
+                version="1.1",
+                headers=[],
+                ttfb=ttfb,
+                sse=True,
+                chunked=True,
+            )
+            sse = [[i * itl, 100, "content"] for i in range(events)]
+            if events:
+                self._e(
+                    ev.BodyData,
+                    t + ttfb,
+                    conn=conn,
+                    seq=seq,
+                    size=100 * events,
+                    reads=[[i * itl, 100, 1] for i in range(events)],
+                    sse=sse,
+                )
+        done_at = t + ttfb + events * itl
+        self._e(
+            ev.ResponseEnd,
+            done_at,
+            conn=conn,
+            seq=seq,
+            termination=end,
+            status=status if ttfb is not None else None,
+            body_bytes=100 * events,
+            duration=done_at - t,
+            events=events,
+            done=end == "complete",
+            first_token=ttfb if events and ttfb is not None else None,
+            finish_reason="stop" if end == "complete" and not error else None,
+            error=error,
+        )
+
+    def stall(
+        self,
+        conn: int,
+        seq: int,
+        start: float,
+        end: float | None,
+        direction: str = "upstream_silent",
+    ) -> None:
+        self._e(
+            ev.Stall,
+            start + 5,
+            conn=conn,
+            seq=seq,
+            phase="start",
+            direction=direction,
+            silent_for=5.0,
+        )
+        if end is not None:
+            self._e(
+                ev.Stall,
+                end,
+                conn=conn,
+                seq=seq,
+                phase="end",
+                direction=direction,
+                silent_for=end - start,
+            )
+
+    def engine(
+        self,
+        t: float,
+        running: int,
+        queued: int = 0,
+        delta: int = 0,
+        url: str = ENGINE + "/metrics",
+        profile: str = "sglang",
+        in_flight: int | None = None,
+    ) -> None:
+        state: dict[str, Any] = {
+            "running": running,
+            "queued": queued,
+            "generation_tokens_total": 1000 + delta,
+        }
+        if in_flight is not None:
+            state = {"in_flight": in_flight}
+        self._e(
+            ev.EngineSample,
+            t,
+            url=url,
+            ok=True,
+            elapsed=0.001,
+            profile=profile,
+            state=state,
+            deltas={"generation_tokens_total": delta} if profile == "sglang" else None,
+        )
+
+    def probe(self, t: float, conn: int, seq: int, outcome: str = "ok") -> None:
+        self._e(
+            ev.Probe,
+            t,
+            url=PROXY + "/v1/models",
+            target="upstream",
+            kind="models",
+            outcome=outcome,
+            trigger_conn=conn,
+            trigger_seq=seq,
+            status=200,
+            latency=0.004,
+        )
+
+    def health(self, t: float, url: str = ROUTER + "/readiness") -> None:
+        self._e(ev.HealthSample, t, url=url, ok=True, elapsed=0.001, status=200)
+
+
+def analyze(*caps: Cap, **kw: Any) -> dict[str, Any]:
+    s = Summary()
+    for cap in caps:
+        for e in cap.events:
+            s.feed(e)
+    return s.result(**kw)
+
+
+def kinds(result: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(f["party"], f["kind"]) for f in result["findings"]]
+
+
+def test_healthy_capture_has_no_findings() -> None:
+    cap = Cap()
+    for i in range(3):
+        cap.exchange(1, i + 1, i * 1.0, idle=0.5 if i else 0.0)
+        cap.engine(i * 1.0 + 0.5, running=1, delta=5)
+    result = analyze(cap)
+    assert result["findings"] == [] and result["verdict"]["kind"] == "healthy"
+
+
+def _hang_on_reuse(cap: Cap, *, probes: bool = True) -> None:
+    cap.health(0.0)
+    cap.exchange(1, 1, 0.0)
+    cap.exchange(1, 2, 1.0, idle=0.8)
+    cap.exchange(1, 3, 2.0, idle=0.8, end=None)  # never answered
+    cap.stall(1, 3, 2.0, None)
+    cap.exchange(2, 1, 8.0)  # a fresh connection completes meanwhile
+    for t in range(0, 20):
+        cap.engine(float(t), running=0, delta=0 if t > 2 else 3)
+    if probes:
+        cap.probe(7.1, 1, 3)
+    cap._e(
+        ev.ResponseEnd, 20.0, conn=1, seq=3, termination="in_flight", body_bytes=0, duration=18.0
+    )
+
+
+def test_hang_on_reuse_in_front_of_a_proxy_is_the_proxy() -> None:
+    cap = Cap(upstream=PROXY)
+    _hang_on_reuse(cap)
+    result = analyze(cap)
+    v = result["verdict"]
+    assert (v["party"], v["kind"], v["confidence"]) == ("proxy", "proxy_hung_on_reuse", "high")
+    assert {r["party"] for r in v["ruled_out"]} == {"client", "engine"}
+    top = result["findings"][0]
+    assert top["requests"] == ["front/1/3"]
+    assert any("fresh connection: ok" in e for e in top["evidence"])
+    assert any("running≤0" in e for e in top["evidence"])
+
+
+def test_hang_on_reuse_when_the_upstream_is_the_router_is_the_engine() -> None:
+    cap = Cap(upstream=ROUTER)
+    _hang_on_reuse(cap)
+    assert analyze(cap)["verdict"]["party"] == "engine"
+
+
+def test_hang_without_engine_evidence_is_unknown_and_says_how_to_settle() -> None:
+    cap = Cap()
+    cap.exchange(1, 1, 0.0)
+    cap.exchange(1, 2, 1.0, idle=0.8, end=None)
+    cap.stall(1, 2, 1.0, None)
+    result = analyze(cap)
+    f = result["findings"][0]
+    assert (f["party"], f["kind"]) == ("unknown", "upstream_silent")
+    assert "--engine-metrics" in f["settle"]
+
+
+def test_engine_wedged_mid_stream() -> None:
+    cap = Cap(upstream=ROUTER)
+    cap.health(0.0)
+    cap.exchange(1, 1, 0.0, events=3, end=None)
+    cap._e(
+        ev.ResponseHead,
+        0.01,
+        conn=1,
+        seq=1,
+        status=200,
+        reason="",
+        version="1.1",
+        headers=[],
+        ttfb=0.01,
+        sse=True,
+    )
+    cap._e(ev.BodyData, 0.01, conn=1, seq=1, size=300, reads=[], sse=[[0.0, 100, "content"]])
+    cap.stall(1, 1, 0.2, 10.0)
+    cap._e(
+        ev.ResponseEnd,
+        10.0,
+        conn=1,
+        seq=1,
+        termination="truncated",
+        status=200,
+        body_bytes=300,
+        duration=10.0,
+        events=1,
+        close="reset",
+    )
+    for t in range(0, 12):
+        cap.engine(float(t), running=1, delta=0)
+    v = analyze(cap)["verdict"]
+    assert (v["party"], v["kind"]) == ("engine", "engine_stall_mid_stream")
+
+
+def test_request_lost_in_the_serving_stack() -> None:
+    cap = Cap(upstream=ROUTER)
+    cap.exchange(1, 1, 0.0, end=None)
+    cap.stall(1, 1, 0.0, None)
+    for t in range(0, 12):
+        cap.engine(float(t), running=0, delta=0)
+        cap.engine(float(t), running=0, url=ROUTER + "/metrics", profile="smg", in_flight=1)
+    v = analyze(cap)["verdict"]
+    assert (v["party"], v["kind"]) == ("engine", "engine_lost_request")
+
+
+def test_two_taps_place_the_hang_between_them() -> None:
+    front = Cap("front", upstream=PROXY)
+    back = Cap("back", upstream=ROUTER, t0=1000.0)
+    for seq in (1, 2):
+        front.exchange(1, seq, seq * 1.0, rid=f"r{seq}", idle=0.5 if seq > 1 else 0)
+        back.exchange(1, seq, seq * 1.0 + 0.002, rid=f"r{seq}", idle=0.5 if seq > 1 else 0)
+    front.exchange(1, 3, 3.0, rid="r3", idle=0.5, end=None)
+    front.stall(1, 3, 3.0, None)
+    result = analyze(front, back)
+    v = result["verdict"]
+    assert (v["party"], v["kind"], v["confidence"]) == ("proxy", "proxy_hung_on_reuse", "high")
+    assert "between tap front and tap back" in v["summary"]
+
+
+def test_client_not_reading_and_bare_abort() -> None:
+    cap = Cap()
+    cap.exchange(1, 1, 0.0, events=3, end="client_abort")
+    cap.stall(1, 1, 0.1, 6.0, direction="client_not_reading")
+    cap.exchange(2, 1, 10.0, events=3, end="client_abort")
+    found = kinds(analyze(cap))
+    assert ("client", "client_not_reading") in found
+    assert ("client", "client_abort") in found
+
+
+def test_slow_because_busy_is_load_not_a_fault() -> None:
+    cap = Cap(upstream=ROUTER)
+    cap.exchange(1, 1, 0.0, ttfb=5.0)
+    for t in range(0, 8):
+        cap.engine(float(t), running=53, queued=12, delta=2000)
+    result = analyze(cap)
+    assert result["verdict"]["kind"] == "healthy"
+    assert kinds(result) == [("engine", "engine_queueing")]
+    assert result["findings"][0]["note"] is True
+    assert "not a cold start" in result["findings"][0]["summary"]
+
+
+def test_hang_mark_with_nothing_in_flight() -> None:
+    cap = Cap()
+    cap.exchange(1, 1, 0.0)
+    cap.exchange(1, 2, 1.0, idle=0.5)
+    result = analyze(cap, hang_at=[cap.t0 + 30.0])
+    f = result["findings"][0]
+    assert (f["party"], f["kind"]) == ("unknown", "idle_at_hang")
+    assert {r["party"] for r in f["ruled_out"]} == {"engine"}
+    client = analyze(cap, hang_at=[cap.t0 + 30.0], client_facing=["front"])
+    assert kinds(client) == [("client", "client_idle_hang")]
+
+
+def test_sse_error_event_is_the_engine() -> None:
+    cap = Cap(upstream=ROUTER)
+    cap.exchange(1, 1, 0.0, error="out of memory")
+    assert kinds(analyze(cap))[0] == ("engine", "engine_error_event")
+
+
+def test_coalesced_delivery() -> None:
+    cap = Cap()
+    cap.exchange(1, 1, 0.0, events=0)
+    sse = []
+    for bunch in range(6):  # 6 bunches of 4 events, 40 ms apart
+        sse += [[bunch * 0.040, 100, "content"]] * 4
+    cap._e(ev.BodyData, 0.02, conn=1, seq=1, size=2400, reads=[], sse=sse)
+    assert ("proxy", "delivery_coalesced") in kinds(analyze(cap))
+
+
+def test_same_capture_same_findings() -> None:
+    cap = Cap()
+    _hang_on_reuse(cap)
+    assert analyze(cap) == analyze(cap)
