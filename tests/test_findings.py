@@ -205,7 +205,7 @@ def _hang_on_reuse(cap: Cap, *, probes: bool = True) -> None:
     cap.stall(1, 3, 2.0, None)
     cap.exchange(2, 1, 8.0)  # a fresh connection completes meanwhile
     for t in range(0, 20):
-        cap.engine(float(t), running=0, delta=0 if t > 2 else 3)
+        cap.engine(float(t), running=0, delta=0 if t > 1 else 3)
     if probes:
         cap.probe(7.1, 1, 3)
     cap._e(

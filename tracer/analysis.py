@@ -255,6 +255,7 @@ class Summary:
                         "profile": event.profile,
                         "state": event.state,
                         "deltas": event.deltas,
+                        "interval": event.interval,
                         "restarted": event.restarted,
                     }
                 )

@@ -157,9 +157,17 @@ class Context:
         return bool(upstream) and _base(str(upstream)) in self.serving_hosts
 
     def engine_view(self, start: float, end: float) -> EngineView:
+        """The engines' own figures over a window.
+
+        running/queued come from SGLang's live ``/v1/loads`` samples when the capture has
+        them (its gauges can be 30 s old), else from the metrics gauges; progress comes
+        from the token counters' deltas inside the window.
+        """
         view = EngineView(start=start, end=end)
         urls: set[str] = set()
         tokens: float | None = None
+        gauges: list[tuple[float, dict[str, Any]]] = []
+        live: list[tuple[float, dict[str, Any]]] = []
         for s in self.e.engine:
             if not (start - 1.5 <= s["t"] <= end + 1.5):
                 continue
@@ -177,14 +185,19 @@ class Context:
                 continue
             view.samples += 1
             urls.add(s["url"])
+            (live if s.get("source") == "loads" else gauges).append((s["t"], state))
+            deltas = s.get("deltas") or {}
+            since = s["t"] - (s.get("interval") or 0.0)  # the delta covers (since, t]
+            if since >= start and s["t"] <= end and "generation_tokens_total" in deltas:
+                tokens = (tokens or 0.0) + float(deltas["generation_tokens_total"] or 0)
+        chosen = live or gauges
+        inside = [(t, st) for t, st in chosen if start <= t <= end]
+        for _, state in inside or chosen:  # samples around it only when none fell inside
             running, queued = state.get("running"), state.get("queued")
             if running is not None:
                 view.running_max = max(view.running_max or 0, int(running))
             if queued is not None:
                 view.queued_max = max(view.queued_max or 0, int(queued))
-            deltas = s.get("deltas") or {}
-            if start < s["t"] <= end + 1.5 and "generation_tokens_total" in deltas:
-                tokens = (tokens or 0.0) + float(deltas["generation_tokens_total"] or 0)
         view.urls = len(urls)
         view.tokens = tokens
         return view
@@ -363,6 +376,8 @@ def analyze_request_hangs(ctx: Context) -> list[dict[str, Any]]:
             answered = bool(fresh_ok or fresh)
             kind = "proxy_hung_on_reuse" if r.reused else "proxy_swallowed_request"
             party = "engine" if serving else "proxy"
+            if serving:  # the tap's upstream is the serving stack: it lost the request
+                kind = "engine_lost_request"
             what = "held the reused keep-alive connection" if r.reused else "swallowed the request"
             summary = f"The hop after tap {r.tap} {what}: the engine was idle the whole time" + (
                 " and fresh connections answered." if answered else "."
@@ -393,8 +408,8 @@ def analyze_request_hangs(ctx: Context) -> list[dict[str, Any]]:
                 )
             )
             continue
-        if view.busy and not mid_stream:
-            continue  # queued under load: reported by the load analyzer
+        if view.busy and not mid_stream and r.termination == "complete":
+            continue  # it was answered, late: queued under load (the load analyzer's note)
         if mid_stream and view.known and view.tokens:
             out.append(
                 _finding(
