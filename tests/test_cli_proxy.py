@@ -287,3 +287,38 @@ async def _free_port() -> int:
     port = int(listener.extra(SocketAttribute.local_port))
     await listener.aclose()
     return port
+
+
+async def test_admin_mark_is_a_hang_mark_in_the_capture(tmp_path: Path) -> None:
+    capture = tmp_path / "cap.jsonl"
+    async with anyio.create_task_group() as tg:
+        engine = SimEngine(EngineConfig(tokens=2, ttft=0.0, itl=0.0))
+        host, port = await tg.start(engine.serve)
+        admin_port = await _free_port()
+        async with tracer_proxy(
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            f"http://{host}:{port}",
+            "--admin",
+            f"127.0.0.1:{admin_port}",
+            "--capture",
+            str(capture),
+            "--tap",
+            "front",
+        ) as proc:
+            async with httpx.AsyncClient() as client:
+                await _stream_once(client, proc.url, "before")
+                r = await client.post(f"http://127.0.0.1:{admin_port}/mark", content=b"stuck")
+                assert r.status_code == 200 and r.json()["note"] == "stuck"
+                assert (await client.get(f"http://127.0.0.1:{admin_port}/mark")).status_code == 405
+        tg.cancel_scope.cancel()
+    marks = [r for r in read_records(capture) if r["type"] == "mark"]
+    assert len(marks) == 1 and marks[0]["note"] == "stuck"
+    result = await anyio.run_process(
+        [sys.executable, "-m", "tracer", "analyze", str(capture), "--format", "json"]
+    )
+    doc = json.loads(result.stdout)
+    assert doc["evidence"]["marks"] == [marks[0]["t"]]
+    assert doc["findings"][0]["kind"] == "idle_at_hang"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +19,7 @@ from anyio.abc import SocketAttribute, SocketStream, TaskStatus
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from . import events as ev
 from .relay import Tap
 
 log = structlog.get_logger("tracer.admin")
@@ -142,12 +144,14 @@ class AdminServer:
         try:
             async with stream:
                 while True:
+                    got = None
                     with anyio.move_on_after(30):
-                        request = await _next_request(conn, stream)
-                    if request is None:
+                        got = await _next_request(conn, stream)
+                    if got is None:
                         return
+                    request, payload = got
                     status, ctype, body = self.route(
-                        request.method.decode(), request.target.decode()
+                        request.method.decode(), request.target.decode(), payload
                     )
                     headers = [("content-type", ctype), ("content-length", str(len(body)))]
                     await stream.send(
@@ -161,19 +165,34 @@ class AdminServer:
         except (anyio.BrokenResourceError, anyio.EndOfStream, h11.ProtocolError, OSError):
             return
 
-    def route(self, method: str, target: str) -> tuple[int, str, bytes]:
+    def route(self, method: str, target: str, body: bytes = b"") -> tuple[int, str, bytes]:
         path = target.split("?", 1)[0]
+        if path == "/mark":
+            if method != "POST":
+                return 405, "text/plain", b"POST /mark (body: an optional note)\n"
+            return 200, "application/json", json.dumps(self.mark(body)).encode()
         if method != "GET":
             return 405, "text/plain", b"method not allowed\n"
         if path == "/metrics":
             return 200, "text/plain; version=0.0.4; charset=utf-8", generate_latest(self.registry)
         if path == "/status":
             return 200, "application/json", json.dumps(self.tap.status(), indent=1).encode()
-        return 404, "text/plain", b"not found: try /metrics or /status\n"
+        return 404, "text/plain", b"not found: try /metrics, /status or POST /mark\n"
+
+    def mark(self, body: bytes) -> dict[str, Any]:
+        """Record "the harness was seen hung now" in the capture (analysis: like --hang-at)."""
+        now = time.monotonic()
+        note = body.decode("utf-8", "replace").strip()[:500] or None
+        event = ev.Mark(t=now + self.tap.wall_offset, m=now, tap=self.tap.config.name, note=note)
+        self.tap.emit(event)
+        log.info("hang marked", note=note)
+        return {"marked": event.t, "note": note}
 
 
 async def _next_request(conn: h11.Connection, stream: SocketStream) -> Any:
+    """The next request and its body (bounded), or None when the client is gone."""
     request = None
+    body = bytearray()
     while True:
         event = conn.next_event()
         if event is h11.NEED_DATA:
@@ -184,7 +203,10 @@ async def _next_request(conn: h11.Connection, stream: SocketStream) -> Any:
             continue
         if isinstance(event, h11.Request):
             request = event
+        elif isinstance(event, h11.Data):
+            if len(body) < 65536:
+                body += event.data
         elif isinstance(event, h11.EndOfMessage):
-            return request
+            return (request, bytes(body)) if request is not None else None
         elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
             return None

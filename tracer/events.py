@@ -379,3 +379,12 @@ class Probe(Event):
     latency: float | None = None
     first_byte: float | None = None
     reason: str | None = None
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Mark(Event):
+    """ "The harness was seen hung at about this time" — from the admin's ``POST /mark``."""
+
+    TYPE: ClassVar[str] = "mark"
+    note: str | None = None
