@@ -358,3 +358,15 @@ def test_same_capture_same_findings() -> None:
     cap = Cap()
     _hang_on_reuse(cap)
     assert analyze(cap) == analyze(cap)
+
+
+def test_two_taps_join_by_fingerprint_without_request_ids() -> None:
+    front = Cap("front", upstream=PROXY)
+    back = Cap("back", upstream=ROUTER)
+    for seq in (1, 2):
+        front.exchange(1, seq, seq * 1.0, idle=0.5 if seq > 1 else 0)
+        back.exchange(1, seq, seq * 1.0 + 0.002, idle=0.5 if seq > 1 else 0)
+    front.exchange(1, 3, 3.0, idle=0.5, end=None)
+    front.stall(1, 3, 3.0, None)
+    v = analyze(front, back)["verdict"]
+    assert (v["party"], v["kind"]) == ("proxy", "proxy_hung_on_reuse")

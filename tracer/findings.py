@@ -131,15 +131,33 @@ class Context:
         }
         self.order = self._tap_order()
 
+    def join_keys(self) -> list[tuple[str, RequestRow]]:
+        """A key per request that is the same at every tap that saw it.
+
+        ``x-request-id`` when the client sent one; otherwise a fingerprint (method,
+        target, body hash) and its occurrence number at that tap, in time order.
+        """
+        keys: list[tuple[str, RequestRow]] = []
+        seen: dict[tuple[str, str], int] = defaultdict(int)
+        for r in sorted(self.e.requests, key=lambda x: (x.tap, x.start)):
+            if not r.method:
+                continue
+            if r.request_id:
+                keys.append((f"id:{r.request_id}", r))
+                continue
+            fingerprint = f"{r.method} {r.target} {r.body_sha256}"
+            seen[(r.tap, fingerprint)] += 1
+            keys.append((f"fp:{fingerprint}#{seen[(r.tap, fingerprint)]}", r))
+        return keys
+
     def _tap_order(self) -> list[str]:
         """Taps from the client side to the engine side (by when they saw shared requests)."""
         taps = sorted(self.by_tap)
         if len(taps) < 2:
             return taps
         ids: dict[str, dict[str, float]] = defaultdict(dict)
-        for r in self.e.requests:
-            if r.request_id:
-                ids[r.request_id].setdefault(r.tap, r.start)
+        for key, r in self.join_keys():
+            ids[key].setdefault(r.tap, r.start)
         score = dict.fromkeys(taps, 0.0)
         for a in taps:
             for b in taps:
@@ -787,9 +805,8 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
     if len(ctx.order) < 2:
         return findings
     by_id: dict[str, dict[str, RequestRow]] = defaultdict(dict)
-    for r in ctx.e.requests:
-        if r.request_id:
-            by_id[r.request_id].setdefault(r.tap, r)
+    for key, r in ctx.join_keys():
+        by_id[key].setdefault(r.tap, r)
     rank = {tap: i for i, tap in enumerate(ctx.order)}
     replaced: set[str] = set()
     extra: list[dict[str, Any]] = []
