@@ -32,6 +32,7 @@ bench: $(STAMP)
 	@command -v nginx >/dev/null && command -v wrk >/dev/null || \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light wrk >/dev/null)
 	$(BIN)/python -m bench.run
+	$(BIN)/python -m bench.analysis
 
 clean:
 	rm -rf $(VENV) demo-out bench-out

@@ -20,7 +20,7 @@ ZERO_GAP = 0.001  # events closer than this arrived together
 BUNCH_GAP = (0.030, 0.060)  # the delayed-ACK hold of a hop without TCP_NODELAY
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestRow:
     id: str
     tap: str
@@ -72,7 +72,7 @@ class RequestRow:
     injected: list[str] = field(default_factory=list)  # faults the tap injected itself
 
 
-@dataclass
+@dataclass(slots=True)
 class ConnectionRow:
     id: str
     tap: str
@@ -343,7 +343,10 @@ class Summary:
         captures: list[dict[str, Any]] | None = None,
         hang_at: list[float] | None = None,
         client_facing: list[str] | None = None,
+        raw_rows: bool = False,
     ) -> dict[str, Any]:
+        """The analysis document; ``raw_rows`` leaves the rows as dataclasses (for
+        ``render.write_json``, which converts them one at a time)."""
         from .findings import Evidence, find
 
         conns = sorted(self.connections.values(), key=lambda c: (c.tap, c.opened, c.conn))
@@ -379,8 +382,8 @@ class Summary:
                 "stalls": sum(len(r.stalls) for r in reqs),
                 "capture_records_lost": self.capture_losses,
             },
-            "connections": [asdict(c) for c in conns],
-            "requests": [asdict(r) for r in reqs],
+            "connections": conns if raw_rows else [asdict(c) for c in conns],
+            "requests": reqs if raw_rows else [asdict(r) for r in reqs],
             "verdict": verdict,
             "findings": findings,
             "evidence": {

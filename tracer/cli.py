@@ -15,7 +15,7 @@ from . import __version__, logs
 from .analysis import Summary
 from .capture import CaptureError, CaptureWriter, ReadStats, read_events
 from .relay import Tap, TapConfig, parse_hostport, parse_upstream
-from .render import to_json, to_markdown, to_text
+from .render import to_markdown, to_text, write_json
 
 EXIT_USAGE = 2
 EXIT_INPUT = 3
@@ -421,13 +421,14 @@ def _analyze(args: argparse.Namespace) -> int:
             }
         )
     marks = [parse_time(value, summary.first_t) for value in args.hang_at]
+    if args.format == "json":  # rows written one at a time: big captures stay affordable
+        result = summary.result(
+            captures=captures, hang_at=marks, client_facing=args.client_facing, raw_rows=True
+        )
+        write_json(result, sys.stdout)
+        return 0
     result = summary.result(captures=captures, hang_at=marks, client_facing=args.client_facing)
-    if args.format == "json":
-        out = to_json(result)
-    elif args.format == "md":
-        out = to_markdown(result)
-    else:
-        out = to_text(result)
+    out = to_markdown(result) if args.format == "md" else to_text(result)
     sys.stdout.write(out)
     return 0
 

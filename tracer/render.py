@@ -4,14 +4,40 @@ from __future__ import annotations
 
 import io
 import json
-from typing import Any
+from dataclasses import asdict, is_dataclass
+from typing import Any, TextIO
 
 from rich.console import Console
 from rich.table import Table
 
 
 def to_json(result: dict[str, Any]) -> str:
-    return json.dumps(result, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    buf = io.StringIO()
+    write_json(result, buf)
+    return buf.getvalue()
+
+
+def write_json(result: dict[str, Any], out: TextIO) -> None:
+    """The same bytes as ``json.dumps(result, indent=2, sort_keys=True)``, written row by
+    row so that the rows never exist twice in memory (as objects and as one string)."""
+    keys = sorted(result)
+    out.write("{\n")
+    for i, key in enumerate(keys):
+        value = result[key]
+        out.write(f"  {json.dumps(key)}: ")
+        if key in ("requests", "connections") and value:
+            out.write("[\n")
+            for j, row in enumerate(value):
+                item = asdict(row) if is_dataclass(row) and not isinstance(row, type) else row
+                text = json.dumps(item, indent=2, sort_keys=True, ensure_ascii=False)
+                out.write("    " + text.replace("\n", "\n    "))
+                out.write(",\n" if j < len(value) - 1 else "\n")
+            out.write("  ]")
+        else:
+            text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
+            out.write(text.replace("\n", "\n  "))
+        out.write(",\n" if i < len(keys) - 1 else "\n")
+    out.write("}\n")
 
 
 def _ms(value: float | None) -> str:
