@@ -98,3 +98,132 @@ async def test_engine_faults_are_the_engine(fault: str, kind: str, tmp_path: Pat
     finding = result["findings"][0]
     assert finding["requests"] and finding["evidence"]
     assert any(r["party"] == "client" for r in finding["ruled_out"])
+
+
+async def test_nginx_in_front_of_a_slow_stream_stays_clean(tmp_path: Path) -> None:
+    """nginx from Debian (proxy_buffering on) in front of a slow stream: a healthy control.
+
+    nginx 1.22 forwards each chunk of a chunked SSE response as it arrives even with
+    proxy_buffering on (the events keep their 50 ms spacing), so nothing is held and
+    the analysis must find no fault. The buffered-stream signature is tested with
+    `tracer proxy --fault buffer-stream` as the buffering hop.
+    """
+    import shutil
+
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not Path(nginx).exists():
+        pytest.skip("nginx is not installed (.ci/run installs it)")
+    from .test_cli_proxy import _free_port
+
+    capture = tmp_path / "cap.jsonl"
+    async with engine_running(ttft=0.0, itl=0.05) as sim:
+        port = await _free_port()
+        prefix = tmp_path / "nginx"
+        (prefix / "logs").mkdir(parents=True)
+        conf = prefix / "nginx.conf"
+        conf.write_text(
+            f"""daemon off; worker_processes 1; pid {prefix}/nginx.pid;
+error_log {prefix}/logs/error.log warn;
+events {{ worker_connections 64; }}
+http {{
+  access_log off;
+  client_body_temp_path {prefix}/body; proxy_temp_path {prefix}/proxy;
+  fastcgi_temp_path {prefix}/fcgi; uwsgi_temp_path {prefix}/uwsgi; scgi_temp_path {prefix}/scgi;
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass {sim.url};
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering on;
+      proxy_buffers 64 16k;
+    }}
+  }}
+}}
+"""
+        )
+        process = await anyio.open_process([nginx, "-p", str(prefix), "-c", str(conf)])
+        try:
+            async with httpx.AsyncClient() as probe:
+                with anyio.fail_after(10):
+                    while True:
+                        try:
+                            await probe.get(f"http://127.0.0.1:{port}/health")
+                            break
+                        except httpx.HTTPError:
+                            await anyio.sleep(0.05)
+            async with tracer_proxy(
+                "proxy",
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                f"http://127.0.0.1:{port}",
+                "--capture",
+                str(capture),
+                "--engine-metrics",
+                f"{sim.url}/metrics",
+                "--metrics-interval",
+                "0.1",
+            ) as proc:
+                async with httpx.AsyncClient(timeout=10) as client:
+                    body = {**BODY, "max_tokens": 30}
+                    async with client.stream(
+                        "POST", proc.url + "/v1/chat/completions", json=body
+                    ) as r:
+                        async for _ in r.aiter_bytes():
+                            pass
+        finally:
+            process.terminate()
+            with anyio.CancelScope(shield=True):
+                await process.wait()
+                await process.aclose()
+    result = await analyze(capture)
+    assert result["verdict"]["kind"] == "healthy", result["findings"]
+    request = result["requests"][0]
+    assert request["termination"] == "complete" and request["events"] >= 30
+    assert request["bunch_gaps"] >= 20  # the engine's 50 ms pacing survived nginx
+
+
+async def test_client_not_reading_and_abort_are_the_client(tmp_path: Path) -> None:
+    import socket
+
+    capture = tmp_path / "cap.jsonl"
+    async with engine_running(ttft=0.0, itl=0.001) as sim:
+        async with tracer_proxy(
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            sim.url,
+            "--capture",
+            str(capture),
+            "--stall-after",
+            "0.3",
+        ) as proc:
+            payload = json.dumps({**BODY, "max_tokens": 20000}).encode()
+            request = (
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+                b"\r\ncontent-length: %d\r\n\r\n%s" % (len(payload), payload)
+            )
+            # a client that stops reading: a tiny receive buffer, never read
+            slow = socket.socket()
+            slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            slow.connect(("127.0.0.1", proc.port))
+            slow.sendall(request)
+
+            def stalled() -> bool:
+                return capture.exists() and b"client_not_reading" in capture.read_bytes()
+
+            from .conftest import wait_until
+
+            await wait_until(stalled, timeout=15)
+            slow.close()
+            # a client that reads a little, then hangs up
+            async with await anyio.connect_tcp("127.0.0.1", proc.port) as s:
+                await s.send(request.replace(b"20000", b"400  "))
+                await s.receive()
+    result = await analyze(capture)
+    found = {(f["party"], f["kind"]) for f in result["findings"]}
+    assert ("client", "client_not_reading") in found, result["findings"]
+    assert ("client", "client_abort") in found, result["findings"]
+    assert result["verdict"]["party"] == "client"
