@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import structlog
 from . import __version__, logs
 from .analysis import Summary
 from .capture import CaptureError, CaptureWriter, ReadStats, read_events
+from .faults import KINDS, RULE_KEYS, Fault, FaultSpecError, parse_fault
 from .relay import Tap, TapConfig, parse_hostport, parse_upstream
 from .render import to_markdown, to_text, write_json
 
@@ -33,6 +35,40 @@ a second; requests still open are recorded as in_flight.
 """
 
 
+def _fault_epilog() -> str:
+    width = max(len(k.usage) for k in KINDS.values()) + 4
+    lines = [
+        "",
+        "fault injection (--fault SPEC, repeatable, faults combine; opt-in: it alters traffic;",
+        "every injection is a `fault` record in the capture). SPEC is NAME[:ARG...][@RULE,...]:",
+    ]
+    for k in KINDS.values():
+        lines.append(
+            textwrap.fill(
+                k.summary,
+                width=92,
+                initial_indent=f"  {k.usage:<{width - 2}}",
+                subsequent_indent=" " * width,
+            )
+        )
+    lines.append("rules, joined by commas (every one given must hold; no rule: every request):")
+    lines += [f"  {text}" for text in RULE_KEYS.values()]
+    lines.append("one example of each fault, added to a proxy command line:")
+    lines += [f"  --fault {k.example}" for k in KINDS.values()]
+    lines.append(
+        "  e.g. tracer proxy --listen 127.0.0.1:8080 --upstream http://127.0.0.1:30000 "
+        "--fault hang-on-reuse:3"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _fault_arg(text: str) -> Fault:
+    try:
+        return parse_fault(text)
+    except FaultSpecError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tracer", description="Traffic-layer diagnostic proxy for LLM serving."
@@ -45,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     px = sub.add_parser(
         "proxy",
         help="run the inline tap",
-        epilog=PROXY_EPILOG,
+        epilog=PROXY_EPILOG + _fault_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     px.add_argument("--listen", required=True, metavar="HOST:PORT")
@@ -106,6 +142,15 @@ def _parser() -> argparse.ArgumentParser:
         default=32,
         metavar="N",
         help="skip probes while an engine reports running+queued >= N (default 32)",
+    )
+    px.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        type=_fault_arg,
+        metavar="SPEC",
+        help="inject a fault into matching requests (repeatable; faults combine); "
+        "NAME[:ARG...][@RULE,...], listed below. Off by default",
     )
     px.add_argument(
         "--max-header-bytes",
@@ -253,6 +298,7 @@ def _proxy(args: argparse.Namespace) -> int:
         idle_timeout=args.idle_timeout,
         bodies=args.bodies,
         max_header_bytes=args.max_header_bytes,
+        faults=list(args.fault),
     )
     writer: CaptureWriter | None = None
     if args.capture:

@@ -388,3 +388,22 @@ class Mark(Event):
 
     TYPE: ClassVar[str] = "mark"
     note: str | None = None
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FaultInjected(Event):
+    """A fault the tap injected on purpose (``tracer proxy --fault SPEC``).
+
+    Written when the fault acts, before its consequences (the stall, the cut, the
+    tap's own answer): analysis reads it so that an injected fault is never taken for
+    an external one. ``fault`` is the fault's name, ``spec`` the spec as given (with its
+    rule), ``detail`` what was done.
+    """
+
+    TYPE: ClassVar[str] = "fault"
+    conn: int
+    seq: int | None = None
+    fault: str
+    spec: str
+    detail: str | None = None

@@ -26,8 +26,8 @@ injected fault for an external one.
   faults goes through a short pipeline of stages, one per fault (``drop-done``,
   ``stall``/``truncate-after-events``, ``buffer-stream``, ``delay-first-byte``), each
   taking and giving segments of raw bytes annotated with where heads, chunks and events
-  end. Only ``drop-done`` changes bytes: it removes the ``[DONE]`` event and re-frames
-  the chunk that held it, so the body still ends cleanly.
+  end. Of these only ``drop-done`` changes bytes: it removes the ``[DONE]`` event and
+  re-frames the chunk that held it, so the body still ends cleanly.
 
 Rules:
 
@@ -38,7 +38,8 @@ Rules:
    apply, combined. ``close-idle-after`` applies to the idle time after a response.
 3. What cannot be followed (not HTTP/1.x, a malformed head or framing, a protocol
    switch) turns the connection *blind*: from then on every byte passes unchanged and no
-   fault applies to it, as the observer does.
+   fault applies to it, as the observer does. A hung connection (a dropped request) is
+   the exception: nothing goes upstream any more, and each later request is recorded.
 4. Memory is bounded: request and response heads by ``MAX_HEAD``, an SSE event by
    ``sse.MAX_EVENT``, a ``buffer-stream`` response by ``BUFFER_LIMIT`` (beyond it the
    stage stops holding).
@@ -424,24 +425,25 @@ def request_path(target: str) -> str:
     return target.split("?", 1)[0]
 
 
+def status_body(fault: Fault) -> bytes:
+    """The JSON body of the tap's answer for ``status:CODE``, in the OpenAI error shape."""
+    error = {
+        "message": f"injected by tracer: fault {fault.spec}",
+        "type": "tracer_fault",
+        "param": None,
+        "code": fault.status,
+    }
+    return json.dumps({"error": error}, separators=(",", ":")).encode()
+
+
 def status_response(fault: Fault) -> bytes:
-    """The tap's answer for ``status:CODE``: JSON in the OpenAI error shape, keep-alive."""
+    """The tap's whole answer for ``status:CODE`` (keep-alive, named by ``x-tracer-fault``)."""
     code = fault.status
     try:
         reason = HTTPStatus(code).phrase
     except ValueError:
         reason = "Error"
-    body = json.dumps(
-        {
-            "error": {
-                "message": f"injected by tracer: fault {fault.spec}",
-                "type": "tracer_fault",
-                "param": None,
-                "code": code,
-            }
-        },
-        separators=(",", ":"),
-    ).encode()
+    body = status_body(fault)
     head = (
         f"HTTP/1.1 {code} {reason}\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nx-tracer-fault: {fault.spec}\r\n\r\n"
@@ -729,8 +731,8 @@ class _DelayFirst(_Stage):
             return items
         self.fired = True
         seconds = self.fault.seconds
-        held: list[Item] = [self.injected(f"response held {seconds:g}s before its first byte")]
-        return [*held, Hold(seconds), *items]
+        record: Item = self.injected(f"response held {seconds:g}s before its first byte")
+        return [record, Hold(seconds), *items]
 
 
 class _Buffer(_Stage):
@@ -1007,12 +1009,19 @@ class ConnectionFaults:
         self.plan = plan
         self.seq = 0
         self.blind = False  # not followable: every byte passes unchanged from now on
-        self.hung = False  # a request was dropped: nothing more goes upstream
         self.stopped = False  # frozen or cut: nothing more either way
+        self._hang: tuple[Fault, int] | None = None  # the fault and request that hung it
+        self._deaf = False  # hung, and the client's bytes cannot be followed: just dropped
         self._head = b""  # a request head still incomplete
         self._body: BodyDecoder | None = None  # the current request's body
         self._swallow = False  # the current request is not forwarded
+        self._answer: _Answer | None = None  # ... because the tap answers it (status)
         self._slots: deque[_Response | _Answer] = deque()  # answers due, in request order
+
+    @property
+    def hung(self) -> bool:
+        """A request was dropped: nothing more goes upstream (later requests neither)."""
+        return self._hang is not None
 
     @property
     def silent(self) -> bool:
@@ -1029,12 +1038,12 @@ class ConnectionFaults:
     def client_data(self, data: bytes) -> list[Action]:
         if self.blind:
             return [Forward(data)]
-        if self.hung or self.stopped:
+        if self.stopped or self._deaf:
             return []
         out: list[Action] = []
         pos, n = 0, len(data)
         try:
-            while pos < n and not (self.hung or self.stopped or self.blind):
+            while pos < n and not (self.stopped or self.blind):
                 body = self._body
                 if body is not None:
                     _, _, used = body.feed(data[pos:] if pos else data)
@@ -1062,6 +1071,9 @@ class ConnectionFaults:
                 pos += hit.end() - old
                 self._head = b""
         except (_Broken, FramingError):
+            if self.hung:  # nothing goes upstream any more, followable or not
+                self._deaf = True
+                return _merge(out)
             self._go_blind(out)
             rest = self._head + data[pos:]
             self._head = b""
@@ -1090,9 +1102,19 @@ class ConnectionFaults:
                 raise _Broken("protocol upgrade")  # forwarded as is, blind from here
         if method == "CONNECT":
             raise _Broken("CONNECT")
+        self._body = BodyDecoder(framing, length)
+        if self._hang is not None:  # read, recorded, never forwarded: the hang goes on
+            hang, first = self._hang
+            detail = (
+                f"request {seq} read and not forwarded: the connection hangs since request {first}"
+            )
+            out.append(Injected(hang, seq, detail, now=True))
+            self._swallow = True
+            if self._body.done:
+                self._request_done(out)
+            return
         decision = self.plan.decide(method, target, seq)
         fault = decision.request
-        self._body = BodyDecoder(framing, length)
         self._swallow = fault is not None
         if fault is None:
             out.append(Forward(raw))
@@ -1103,9 +1125,7 @@ class ConnectionFaults:
             )
             detail = f"{where} read and not forwarded; the connection stays open and silent"
             out.append(Injected(fault, seq, detail, now=True))
-            self.hung = True
-            self._body = None
-            return
+            self._hang = (fault, seq)
         elif fault.name == "half-open":
             detail = "the tap stopped reading and writing both sides, without closing"
             out.append(Injected(fault, seq, detail, now=True))
@@ -1114,16 +1134,16 @@ class ConnectionFaults:
             self._body = None
             return
         else:
-            self._slots.append(_Answer(seq, fault, decision.idle))
+            self._answer = _Answer(seq, fault, decision.idle)
+            self._slots.append(self._answer)
         if self._body.done:
             self._request_done(out)
 
     def _request_done(self, out: list[Action]) -> None:
         self._body = None
-        if self._swallow:
-            self._swallow = False
-            answer = self._slots[-1]
-            assert isinstance(answer, _Answer)
+        self._swallow = False
+        answer, self._answer = self._answer, None
+        if answer is not None:
             answer.ready = True
             self._next(out)
 
