@@ -227,3 +227,45 @@ async def test_client_not_reading_and_abort_are_the_client(tmp_path: Path) -> No
     assert ("client", "client_not_reading") in found, result["findings"]
     assert ("client", "client_abort") in found, result["findings"]
     assert result["verdict"]["party"] == "client"
+
+
+async def test_a_buffering_hop_is_the_proxy(tmp_path: Path) -> None:
+    """A hop that holds the whole stream (`--fault buffer-stream`, as nginx with buffering
+    does for some responses): the tap in front sees one burst at the end while the
+    engine's counters rose all along."""
+    capture = tmp_path / "cap.jsonl"
+    async with engine_running(ttft=0.0, itl=0.05) as sim:
+        async with (
+            tracer_proxy(
+                "proxy",
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                sim.url,
+                "--tap",
+                "buffering",
+                "--fault",
+                "buffer-stream",
+            ) as hop,
+            tracer_proxy(
+                "proxy",
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                hop.url,
+                "--capture",
+                str(capture),
+                "--engine-metrics",
+                f"{sim.url}/metrics",
+                "--metrics-interval",
+                "0.1",
+            ) as proc,
+        ):
+            async with httpx.AsyncClient(timeout=10) as client:
+                body = {**BODY, "max_tokens": 30}
+                async with client.stream("POST", proc.url + "/v1/chat/completions", json=body) as r:
+                    async for _ in r.aiter_bytes():
+                        pass
+    result = await analyze(capture)
+    v = result["verdict"]
+    assert (v["party"], v["kind"]) == ("proxy", "buffered_response"), result["findings"]
