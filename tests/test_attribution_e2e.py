@@ -269,3 +269,179 @@ async def test_a_buffering_hop_is_the_proxy(tmp_path: Path) -> None:
     result = await analyze(capture)
     v = result["verdict"]
     assert (v["party"], v["kind"]) == ("proxy", "buffered_response"), result["findings"]
+
+
+async def analyze_many(*paths: Path | str) -> dict[str, Any]:
+    result = await anyio.run_process(
+        [sys.executable, "-m", "tracer", "analyze", *map(str, paths), "--format", "json"]
+    )
+    return dict(json.loads(result.stdout))
+
+
+async def test_a_hop_that_cuts_the_stream_between_two_taps(tmp_path: Path) -> None:
+    async def drive(url: str) -> None:
+        async with httpx.AsyncClient(timeout=5) as client:
+            for i in range(2):
+                await _stream(client, url, None)
+                del i
+
+    front, back = tmp_path / "front.jsonl", tmp_path / "back.jsonl"
+    async with engine_running(ttft=0.0, itl=0.01) as sim:
+        async with (
+            tracer_proxy(
+                "proxy",
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                sim.url,
+                "--tap",
+                "back",
+                "--capture",
+                str(back),
+            ) as back_tap,
+            tracer_proxy(
+                "proxy",
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                back_tap.url,
+                "--tap",
+                "hop",
+                "--fault",
+                "truncate-after-events:3@pos=2",
+            ) as hop,
+            tracer_proxy(
+                "proxy",
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                hop.url,
+                "--tap",
+                "front",
+                "--capture",
+                str(front),
+            ) as front_tap,
+        ):
+            await drive(front_tap.url)
+    result = await analyze_many(front, back)
+    v = result["verdict"]
+    assert (v["party"], v["kind"]) == ("proxy", "proxy_cut_stream"), result["findings"]
+    assert [r["party"] for r in v["ruled_out"]] == ["engine"]
+
+
+async def test_a_hop_that_swallows_a_fresh_request(tmp_path: Path) -> None:
+    front, back = tmp_path / "front.jsonl", tmp_path / "back.jsonl"
+    async with engine_running(ttft=0.0, itl=0.01) as sim:
+        evidence = ["--engine-metrics", f"{sim.url}/metrics", "--metrics-interval", "0.1"]
+        async with (
+            tracer_proxy(
+                "proxy",
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                sim.url,
+                "--tap",
+                "back",
+                "--capture",
+                str(back),
+                *evidence,
+            ) as back_tap,
+            tracer_proxy(
+                "proxy",
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                back_tap.url,
+                "--tap",
+                "hop",
+                "--fault",
+                "drop-request@times=1,pos=1",
+            ) as hop,
+            tracer_proxy(
+                "proxy",
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                hop.url,
+                "--tap",
+                "front",
+                "--capture",
+                str(front),
+                "--stall-after",
+                "0.5",
+                *evidence,
+            ) as front_tap,
+        ):
+            async with httpx.AsyncClient(timeout=1.5) as first:
+                await _stream(first, front_tap.url, None)  # dropped: hangs until timeout
+            async with httpx.AsyncClient(timeout=5) as second:
+                await _stream(second, front_tap.url, None)  # a fresh one goes through
+    result = await analyze_many(front, back)
+    v = result["verdict"]
+    assert (v["party"], v["kind"], v["confidence"]) == (
+        "proxy",
+        "proxy_swallowed_request",
+        "high",
+    ), result["findings"]
+
+
+async def test_client_idle_hang_at_a_client_facing_tap(tmp_path: Path) -> None:
+    capture = tmp_path / "cap.jsonl"
+    async with engine_running(ttft=0.0, itl=0.001) as sim:
+        async with tracer_proxy(
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            sim.url,
+            "--capture",
+            str(capture),
+            "--tap",
+            "front",
+            "--engine-metrics",
+            f"{sim.url}/metrics",
+            "--metrics-interval",
+            "0.1",
+        ) as proc:
+            async with httpx.AsyncClient(timeout=5) as client:
+                await _stream(client, proc.url, None)
+                await _stream(client, proc.url, None)
+    result = await analyze_many(capture, "--hang-at", "+0.9", "--client-facing", "front")
+    v = result["verdict"]
+    assert (v["party"], v["kind"]) == ("client", "client_idle_hang"), result["findings"]
+    assert [r["party"] for r in v["ruled_out"]] == ["engine"]
+
+
+async def test_request_on_a_connection_the_upstream_closed_is_the_client(tmp_path: Path) -> None:
+    """The upstream closes an idle keep-alive connection (uvicorn's 5 s, here 0.3 s); the
+    client ignores the FIN it was passed and writes its next request anyway."""
+    capture = tmp_path / "cap.jsonl"
+    async with engine_running(ttft=0.0, itl=0.001, keepalive=0.3) as sim:
+        async with tracer_proxy(
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            sim.url,
+            "--capture",
+            str(capture),
+        ) as proc:
+            payload = json.dumps({**BODY, "stream": False}).encode()
+            request = (
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(payload), payload)
+            )
+            async with await anyio.connect_tcp("127.0.0.1", proc.port) as s:
+                await s.send(request)
+                got = b""
+                with anyio.fail_after(5):
+                    try:
+                        while True:  # the answer, then the FIN the upstream's close became
+                            got += await s.receive()
+                    except anyio.EndOfStream:
+                        pass
+                assert got.startswith(b"HTTP/1.1 200")
+                await s.send(request)  # on a connection whose far side is gone
+    result = await analyze_many(capture)
+    found = {(f["party"], f["kind"]) for f in result["findings"]}
+    assert ("client", "client_reused_closed_connection") in found, result["findings"]

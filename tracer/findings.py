@@ -41,6 +41,7 @@ ENGINE_PROFILES = {"sglang", "vllm", "llamacpp"}
 ROUTER_PROFILES = {"smg", "sgl_router"}
 SLOW_FIRST_TOKEN = 2.0  # seconds: below this a first token is never "slow"
 IDLE_REUSE_RACE = 1.0  # seconds idle before a request for a stale-connection race
+UPSTREAM_GONE = "upstream already closed"  # the observer's detail for such a request
 
 
 @dataclass
@@ -296,6 +297,8 @@ def _outcome_quote(r: RequestRow) -> str:
 
 def _hang_window(r: RequestRow, end: float | None) -> tuple[float, float] | None:
     """When the request sat with no bytes arriving from upstream, if it did."""
+    if r.detail == UPSTREAM_GONE:
+        return None  # sent after the upstream closed: the client's reuse, not a hang
     for stall in r.stalls:
         if stall["direction"] == "upstream_silent":
             return stall["start"], stall["end"] or r.end or end or stall["start"]
@@ -507,13 +510,16 @@ def analyze_client(ctx: Context) -> list[dict[str, Any]]:
                     t=r.end,
                 )
             )
-        if r.after_close:
+        if r.after_close or r.detail == UPSTREAM_GONE:
             out.append(
                 _finding(
                     "client_reused_closed_connection",
                     "client",
                     "The client sent a request on a connection the server had said it would "
-                    "close (Connection: close).",
+                    "close (Connection: close)."
+                    if r.after_close
+                    else "The client sent a request on a connection the upstream had already "
+                    "closed (its FIN had been passed on to the client).",
                     [r],
                     [_req_quote(r), _outcome_quote(r)],
                     [],
@@ -859,7 +865,9 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
                 replaced.update(seen[t].id for t in taps)
                 continue
         back = seen[taps[-1]]
-        if back.termination == "complete" and front.termination == "truncated":
+        # the stream was whole (or still flowing: the hop then closed that side too) behind
+        # the hop, and cut in front of it
+        if back.termination in ("complete", "client_abort") and front.termination == "truncated":
             extra.append(
                 _finding(
                     "proxy_cut_stream",
