@@ -92,7 +92,8 @@ def _parse_args(argv: list[str] | None) -> Config:
         default="all",
         metavar="S1,S2",
         help="scenario ids or families (plain, wrk, stream, paced, idle); "
-        f"default all: {','.join(SCENARIOS)}",
+        f"default all: {','.join(SCENARIOS)}; or 'addon' alone: mitmdump with and without "
+        "addons/trace.py (bench/addon.py)",
     )
     p.add_argument("--rounds", type=int, default=None, help="rounds (default 2, quick 1)")
     p.add_argument("--duration", type=float, default=None, help="measurement window, seconds")
@@ -111,6 +112,8 @@ def _parse_args(argv: list[str] | None) -> Config:
     targets = [t for t in peers.TARGETS if t in targets]  # canonical order
     if a.scenarios == "all":
         scenarios = list(SCENARIOS)
+    elif a.scenarios.strip() == "addon":
+        scenarios = ["addon"]  # bench/addon.py: runs on its own
     else:
         wanted = [s.strip() for s in a.scenarios.split(",") if s.strip()]
         scenarios = [s for s in SCENARIOS if s in wanted or s.split("-")[0] in wanted]
@@ -451,6 +454,13 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = _parse_args(argv)
+    if cfg.scenarios == ["addon"]:
+        from . import addon
+
+        _pin_self()
+        _raise_nofile()
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        return addon.main(cfg)
     cfg.out.mkdir(parents=True, exist_ok=True)
     pinned = _pin_self()
     if not pinned:

@@ -151,7 +151,7 @@ class ConnClose(Event):
     TYPE: ClassVar[str] = "conn_close"
     conn: int
     closed_by: Literal["client", "upstream", "tracer", "none"]
-    how: Literal["fin", "reset", "tracer"]
+    how: Literal["fin", "reset", "tracer", "unknown"]  # unknown: mitmproxy does not tell
     half_close: Direction | None = None  # side that sent FIN while the other went on
     in_flight: bool
     requests: int

@@ -1,0 +1,1211 @@
+"""The tracer's capture from inside mitmproxy: the same events as the native tap.
+
+    mitmdump -s addons/trace.py --mode reverse:http://127.0.0.1:30000 \\
+        --set tracer_capture=front.jsonl [--set tracer_tap=NAME] \\
+        [--set tracer_stall_after=5] [--set tracer_bodies=none|requests|all]
+
+Theory of operation
+-------------------
+A thin adapter: mitmproxy parses HTTP and calls hooks; this addon turns each hook into
+the tracer's typed events (``tracer/events.py``) and writes them with the tracer's
+capture writer, classifying SSE with ``tracer/sse.py`` and redacting headers with
+``tracer/redact.py``. ``tracer analyze`` reads the result like any other capture
+(``capture_start.kind`` is ``mitmproxy``).
+
+=========================  ===============================================================
+mitmproxy hook             events
+=========================  ===============================================================
+``client_connected``       ``conn_open`` (connections numbered 1, 2 ... in accept order)
+``server_connect`` /       ``upstream_connect`` ``start`` / ``done`` / ``failed`` (mitmproxy
+``server_connected`` /     may open several upstream connections for one client connection:
+``server_connect_error``   each gives its own records)
+``requestheaders``         ``request`` (its position ``seq`` on the client connection)
+``request``                ``request_end`` (size, hash, OpenAI fields, body per option)
+``responseheaders``        ``response``; switches streaming on for ``text/event-stream``
+                           (mitmproxy #4469) with a callable that observes each piece
+                           and returns it unchanged
+stream callable            ``body`` records, batched as the tap does (per piece: its time
+                           and size; SSE events with their kinds, via ``SseObserver``)
+``response`` / ``error``   ``response_end`` with the termination
+``client_disconnected``    ``conn_close``
+a ticker (``running``)     ``stall`` start/end; flushes body batches
+``done``                   ``response_end`` ``in_flight`` and ``conn_close`` for what is
+                           open, then ``capture_end``
+=========================  ===============================================================
+
+Rules:
+
+1. Observation never changes traffic: the stream callable returns its input (or hands
+   it on to a stream callable another addon set first); a failure in this addon is
+   logged and forwarding goes on. Without ``tracer_capture`` the addon does nothing.
+2. Times: ``m`` is this process's monotonic clock, ``t`` = ``m`` + a wall offset fixed at
+   start, as in the tap. Heads and ends are timed by mitmproxy's own timestamps where it
+   keeps them; body pieces when mitmproxy hands them over.
+3. A termination is decided from what mitmproxy says: the end of the message
+   (complete), its ``error`` text and which side's socket stopped reading (client abort
+   or truncated), a kill (in flight), a parse failure (unparsed, with an ``anomaly``),
+   an answer made by mitmproxy itself (``tracer_response``: its 502 when the upstream
+   cannot be reached, or a response an addon set).
+4. What mitmproxy does not show is not invented: chunk boundaries (``chunks`` is 0),
+   FIN versus reset (``close`` is absent; ``conn_close.how`` is ``unknown``), half-close.
+   See ``addons/README.md``.
+5. Cost: the stream callable is called once per piece of body, so it only takes the
+   time, the size and (for SSE) the piece's events, with a shortcut past the classifier
+   for the usual content chunk (``ContentShape``); records are built a batch at a time.
+   ``python -m bench.run --scenarios addon`` measures what the addon costs mitmdump.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import re
+import struct
+import sys
+import termios
+import time
+from collections.abc import Callable, Iterable
+from operator import sub
+from pathlib import Path
+from typing import Any, Literal
+
+if importlib.util.find_spec("tracer") is None:  # a mitmdump without tracer installed
+    sys.path.append(str(Path(__file__).resolve().parent.parent))
+
+from mitmproxy import connection, ctx, exceptions, http
+from mitmproxy import version as mitmproxy_version
+from mitmproxy.addonmanager import Loader
+from mitmproxy.flow import Error
+from mitmproxy.net.http.http1 import connection_close
+from mitmproxy.proxy import server_hooks
+
+from tracer import __version__
+from tracer import events as ev
+from tracer.capture import CaptureWriter
+from tracer.redact import is_secret, redact_value
+from tracer.sniff import BODY_BATCH_READS, BODY_BATCH_SECONDS, MAX_BODY_KEEP
+from tracer.sniff import _encode_body as encode_body
+from tracer.sniff import _openai_fields as openai_fields
+from tracer.sse import SseEvent, SseSplitter, classify
+
+log = logging.getLogger(__name__)
+
+BODIES = ("none", "requests", "all")
+StreamFn = Callable[[bytes], Iterable[bytes] | bytes]
+StallDirection = Literal["upstream_silent", "client_not_reading", "client_silent"]
+# mitmproxy's words for the ends it reports only as text (mitmproxy/proxy/layers/http)
+_CLIENT_GONE = ("Client disconnected", "Client closed connection")
+_UPSTREAM_CUT = ("peer closed connection", "server closed connection")
+_UNPARSED = ("HTTP/1 protocol error", "Cannot parse HTTP", "unexpected server response")
+
+
+class _Conn:
+    """One client connection as seen through mitmproxy."""
+
+    __slots__ = (
+        "cause",
+        "client",
+        "client_bytes",
+        "conn",
+        "in_flight_at_cause",
+        "last_activity_m",
+        "last_end_m",
+        "opened_m",
+        "pending",
+        "seq",
+        "shape",
+        "upstream_bytes",
+        "upstream_opened",
+    )
+
+    def __init__(self, conn: int, client: connection.Client, opened_m: float) -> None:
+        self.conn = conn
+        self.client = client
+        self.opened_m = opened_m
+        self.seq = 0
+        self.last_end_m = opened_m
+        self.last_activity_m = opened_m
+        self.pending: list[_Flow] = []  # requests whose response has not ended, in order
+        self.client_bytes = 0  # message bytes (heads + bodies) as mitmproxy assembled them
+        self.upstream_bytes = 0
+        self.upstream_opened = False
+        self.shape = ContentShape()  # of the content chunks on this connection
+        # why the client connection is going to end, decided at the first sign of it
+        self.cause: Literal["client", "upstream", "tracer"] | None = None
+        self.in_flight_at_cause = False
+
+
+class _Flow:
+    """Mutable per-request state while it is in flight (``sniff._Request``'s counterpart)."""
+
+    __slots__ = (
+        "body_end_m",
+        "by_proxy",
+        "closes",
+        "comments",
+        "conn",
+        "done",
+        "ended",
+        "error",
+        "events",
+        "finish_reason",
+        "first_token_m",
+        "flow_id",
+        "head_m",
+        "json_body",
+        "last_data_m",
+        "max_gap",
+        "raw",
+        "req_bytes",
+        "req_hash",
+        "req_parts",
+        "request_done",
+        "resp_bytes",
+        "resp_head_m",
+        "seq",
+        "sizes",
+        "specials",
+        "sse",
+        "stall_direction",
+        "stall_start_m",
+        "status",
+        "streamed_request",
+        "streamed_response",
+        "times",
+        "usage",
+    )
+
+    def __init__(self, flow_id: str, conn: _Conn, seq: int, head_m: float, json_body: bool) -> None:
+        self.flow_id = flow_id
+        self.conn = conn
+        self.seq = seq
+        self.head_m = head_m
+        self.json_body = json_body
+        self.request_done = False
+        self.streamed_request = False
+        self.req_bytes = 0
+        self.req_hash: Any = None  # hashlib object while a streamed request body arrives
+        self.req_parts: list[bytes] | None = None
+        self.by_proxy = False
+        # who ends the connection after this exchange (Connection: close, HTTP/1.0)
+        self.closes: Literal["upstream", "tracer"] | None = None
+        self.status: int | None = None
+        self.resp_head_m: float | None = None
+        self.streamed_response = False
+        self.resp_bytes = 0
+        self.body_end_m: float | None = None
+        self.sse: SseObserver | None = None
+        self.events = 0
+        self.comments = 0
+        self.first_token_m: float | None = None
+        self.done = False
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.last_data_m: float | None = None
+        self.max_gap = 0.0
+        self.ended = False
+        self.stall_start_m: float | None = None
+        self.stall_direction: StallDirection | None = None
+        # body pieces observed but not yet written (see _response_observer): arrival
+        # times, sizes, the SSE events of those that are not a plain content chunk
+        # (by index), and the bytes themselves with tracer_bodies=all
+        self.times: list[float] = []
+        self.sizes: list[int] = []
+        self.specials: list[tuple[int, list[SseEvent]]] = []
+        self.raw: list[bytes] | None = None
+
+
+class TraceAddon:
+    """mitmproxy hooks in, tracer events out."""
+
+    def __init__(self) -> None:
+        self.writer: CaptureWriter | None = None
+        self.tap = "mitmproxy"
+        self.stall_after = 5.0
+        self.bodies = "requests"
+        self._wall = time.time() - time.monotonic()
+        self._next_conn = 0
+        self._conns: dict[str, _Conn] = {}  # by mitmproxy's client connection id
+        self._flows: dict[str, _Flow] = {}  # by flow id
+        self._ticker: asyncio.Task[None] | None = None
+
+    # ---- options ----------------------------------------------------------------------
+
+    def load(self, loader: Loader) -> None:
+        loader.add_option(
+            "tracer_capture",
+            str,
+            "",
+            "Write the tracer's capture (JSON Lines) to this file; empty: tracing off.",
+        )
+        loader.add_option("tracer_tap", str, "mitmproxy", "The tap's name in the capture.")
+        loader.add_option(  # a string: mitmproxy's --set has no float options
+            "tracer_stall_after",
+            str,
+            "5",
+            "Seconds without progress on a request in flight before a stall is recorded.",
+        )
+        loader.add_option(
+            "tracer_bodies",
+            str,
+            "requests",
+            "Bodies kept in the capture: none, requests (default) or all.",
+            choices=list(BODIES),
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        opts = ctx.options
+        if "tracer_stall_after" in updated:
+            try:
+                stall_after = float(opts.tracer_stall_after)
+            except ValueError:
+                stall_after = float("nan")
+            if not 0 < stall_after <= 86400:
+                raise _options_error(
+                    "tracer_stall_after must be seconds in (0, 86400], "
+                    f"got {opts.tracer_stall_after!r}"
+                )
+            self.stall_after = stall_after
+        if "tracer_tap" in updated:
+            tap = str(opts.tracer_tap).strip()
+            if not tap:
+                raise _options_error("tracer_tap must not be empty")
+            self.tap = tap
+        if "tracer_bodies" in updated:
+            if opts.tracer_bodies not in BODIES:  # choices are checked too; be explicit
+                raise _options_error(f"tracer_bodies must be one of {', '.join(BODIES)}")
+            self.bodies = opts.tracer_bodies
+        if "tracer_capture" in updated:
+            self._close_capture("capture file changed")
+            if opts.tracer_capture:
+                self._open_capture(opts.tracer_capture)
+
+    def _open_capture(self, path: str) -> None:
+        self._wall = time.time() - time.monotonic()
+        header = self._header()
+        try:
+            writer = CaptureWriter(Path(path).expanduser())
+        except OSError as exc:
+            raise _options_error(
+                f"tracer_capture: cannot open {path}: {exc.strerror or exc}"
+            ) from exc
+        writer.write(header)
+        self.writer = writer
+
+    def _header(self) -> ev.CaptureStart:
+        opts = ctx.options
+        now = time.monotonic()
+        modes = list(opts.mode)
+        upstream = [m.split(":", 1)[1] for m in modes if m.startswith("reverse:")]
+        port = opts.listen_port
+        return ev.CaptureStart(
+            t=now + self._wall,
+            m=now,
+            tap=self.tap,
+            tracer_version=__version__,
+            kind="mitmproxy",
+            listen=f"{opts.listen_host or '*'}:{port if port is not None else 'default'}",
+            upstream=", ".join(upstream) or None,
+            options={
+                "stall_after": self.stall_after,
+                "bodies": self.bodies,
+                "mitmproxy": mitmproxy_version.VERSION,
+                "mode": modes,
+                "connection_strategy": getattr(opts, "connection_strategy", None),
+                "tcp_timeout": getattr(opts, "tcp_timeout", None),
+            },
+        )
+
+    def _close_capture(self, reason: str) -> None:
+        """Settle what is open (in flight, closed by the tap) and end the capture."""
+        if self.writer is not None:
+            now = time.monotonic()
+            for conn in list(self._conns.values()):
+                self._note_cause(conn, "tracer")
+                for st in list(conn.pending):
+                    self._end(st, now, "in_flight", detail="tap stopped")
+                self._conn_close(conn, now)
+        self._conns.clear()
+        self._flows.clear()
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            writer.finish(self.tap, reason)
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    def running(self) -> None:
+        if self._ticker is None:
+            self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
+
+    def done(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
+        self._close_capture("mitmproxy stopped")
+
+    # ---- connections ------------------------------------------------------------------
+
+    def client_connected(self, client: connection.Client) -> None:
+        if self.writer is not None:
+            self._conn_of(client, time.monotonic())
+
+    def _conn_of(self, client: connection.Client, now: float) -> _Conn:
+        conn = self._conns.get(client.id)
+        if conn is None:
+            self._next_conn += 1
+            opened = client.timestamp_start - self._wall if client.timestamp_start else now
+            conn = self._conns[client.id] = _Conn(self._next_conn, client, min(opened, now))
+            self._emit(
+                ev.ConnOpen(
+                    t=conn.opened_m + self._wall,
+                    m=conn.opened_m,
+                    tap=self.tap,
+                    conn=conn.conn,
+                    peer=_addr(client.peername),
+                    local=_addr(client.sockname),
+                )
+            )
+        return conn
+
+    def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
+        if self.writer is None:
+            return
+        now = time.monotonic()
+        conn = self._conn_of(data.client, now)
+        self._emit(
+            ev.UpstreamConnect(
+                t=now + self._wall,
+                m=now,
+                tap=self.tap,
+                conn=conn.conn,
+                phase="start",
+                addr=_addr(data.server.address),
+            )
+        )
+
+    def server_connected(self, data: server_hooks.ServerConnectionHookData) -> None:
+        if self.writer is None:
+            return
+        server = data.server
+        now = time.monotonic()
+        conn = self._conn_of(data.client, now)
+        conn.upstream_opened = True
+        elapsed = None
+        if server.timestamp_start and server.timestamp_tcp_setup:
+            elapsed = round(server.timestamp_tcp_setup - server.timestamp_start, 6)
+        self._emit(
+            ev.UpstreamConnect(
+                t=now + self._wall,
+                m=now,
+                tap=self.tap,
+                conn=conn.conn,
+                phase="done",
+                addr=_addr(server.address),
+                local=_addr(server.sockname),
+                elapsed=elapsed,
+            )
+        )
+
+    def server_connect_error(self, data: server_hooks.ServerConnectionHookData) -> None:
+        if self.writer is None:
+            return
+        server = data.server
+        now = time.monotonic()
+        conn = self._conn_of(data.client, now)
+        started = server.timestamp_start
+        self._emit(
+            ev.UpstreamConnect(
+                t=now + self._wall,
+                m=now,
+                tap=self.tap,
+                conn=conn.conn,
+                phase="failed",
+                addr=_addr(server.address),
+                error=server.error or "connect failed",
+                elapsed=round(now + self._wall - started, 6) if started else None,
+            )
+        )
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        if self.writer is None:
+            return
+        conn = self._conns.get(client.id)
+        if conn is None:
+            return
+        now = time.monotonic()
+        if conn.cause is None:
+            idle = now - conn.last_activity_m
+            timeout = getattr(ctx.options, "tcp_timeout", None)
+            closed_by_timeout = isinstance(timeout, int | float) and idle >= timeout - 1
+            self._note_cause(conn, "tracer" if closed_by_timeout else "client")
+        if conn.pending:  # no error hook for them (yet): settle them by what is known
+            termination: ev.Termination = (
+                "truncated"
+                if conn.cause == "upstream"
+                else "in_flight"
+                if conn.cause == "tracer"
+                else "client_abort"
+            )
+            for st in list(conn.pending):
+                self._end(st, now, termination, detail="client connection closed")
+        self._conn_close(conn, now)
+
+    def _conn_close(self, conn: _Conn, now: float) -> None:
+        self._conns.pop(conn.client.id, None)
+        closed_by = conn.cause or "client"
+        # mitmproxy does not tell FIN from reset, nor who half-closed (see README)
+        how: Any = "tracer" if closed_by == "tracer" else "unknown"
+        self._emit(
+            ev.ConnClose(
+                t=now + self._wall,
+                m=now,
+                tap=self.tap,
+                conn=conn.conn,
+                closed_by=closed_by,
+                how=how,
+                in_flight=conn.in_flight_at_cause,
+                requests=conn.seq,
+                bytes_from_client=conn.client_bytes,
+                bytes_from_upstream=conn.upstream_bytes,
+                upstream_opened=conn.upstream_opened,
+                duration=round(now - conn.opened_m, 6),
+            )
+        )
+
+    def _note_cause(self, conn: _Conn, cause: Literal["client", "upstream", "tracer"]) -> None:
+        if conn.cause is None:
+            conn.cause = cause
+            conn.in_flight_at_cause = bool(conn.pending)
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        if self.writer is None:
+            return
+        req = flow.request
+        now = time.monotonic()
+        head_m = min(req.timestamp_start - self._wall, now)
+        conn = self._conn_of(flow.client_conn, now)
+        conn.seq += 1
+        content_length: int | None = None
+        chunked = expect = json_body = False
+        request_id: str | None = None
+        size = len(req.data.method) + len(req.data.path) + 14
+        for name, value in req.headers.fields:
+            size += len(name) + len(value) + 4
+            lower = name.lower()
+            if lower == b"content-length":
+                try:
+                    content_length = int(value)
+                except ValueError:
+                    content_length = None
+            elif lower == b"transfer-encoding":
+                chunked = True
+            elif lower == b"expect":
+                expect = value.lower() == b"100-continue"
+            elif lower == b"x-request-id":
+                request_id = value.decode("latin-1")
+            elif lower == b"content-type":
+                json_body = b"json" in value.lower()
+        conn.client_bytes += size
+        pipelined = bool(conn.pending)
+        st = _Flow(flow.id, conn, conn.seq, head_m, json_body)
+        if connection_close(req.http_version, req.headers):  # type: ignore[no-untyped-call]
+            st.closes = "tracer"  # mitmproxy closes the client connection after it
+        conn.pending.append(st)
+        self._flows[flow.id] = st
+        self._activity(conn, head_m)
+        idle = 0.0 if pipelined else max(0.0, head_m - conn.last_end_m)
+        self._emit(
+            ev.RequestHead(
+                t=head_m + self._wall,
+                m=head_m,
+                tap=self.tap,
+                conn=conn.conn,
+                seq=st.seq,
+                idle_before=round(idle, 6),
+                method=req.method,
+                target=req.path,
+                version=_version(req.http_version),
+                headers=_redact(req.headers.fields),
+                request_id=request_id,
+                content_length=content_length,
+                chunked=chunked,
+                expect_continue=expect,
+                pipelined=pipelined,
+            )
+        )
+        if req.stream:  # another addon streams the request: count it as it goes by
+            st.streamed_request = True
+            st.req_hash = hashlib.sha256()
+            st.req_parts = [] if json_body or self.bodies != "none" else None
+            req.stream = self._request_observer(st, req.stream)
+
+    def _request_observer(self, st: _Flow, chain: StreamFn | bool) -> StreamFn:
+        def observe(data: bytes) -> Iterable[bytes] | bytes:
+            if data:
+                try:
+                    st.req_bytes += len(data)
+                    st.req_hash.update(data)
+                    parts = st.req_parts
+                    if parts is not None:
+                        parts.append(data)
+                        if st.req_bytes > MAX_BODY_KEEP:
+                            st.req_parts = None
+                    self._activity(st.conn, time.monotonic())
+                except Exception:
+                    log.exception("tracer: observing a request body failed")
+            return chain(data) if callable(chain) else data
+
+        return observe
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        st = self._flows.get(flow.id)
+        if st is None or st.request_done:
+            return
+        req = flow.request
+        end_m = (req.timestamp_end or time.time()) - self._wall
+        self._activity(st.conn, end_m)
+        if flow.response is not None:  # an addon answered before the upstream was asked
+            st.by_proxy = True
+        self._request_end(st, req.raw_content, end_m, complete=True)
+
+    def _request_end(self, st: _Flow, content: bytes | None, m: float, *, complete: bool) -> None:
+        st.request_done = True
+        body: bytes | None
+        if st.streamed_request:
+            body = b"".join(st.req_parts) if st.req_parts is not None else None
+            size, digest = st.req_bytes, st.req_hash.hexdigest()
+        else:
+            body = content or b""
+            size, digest = len(body), hashlib.sha256(body).hexdigest()
+            if size > MAX_BODY_KEEP:
+                body = None
+        st.conn.client_bytes += size
+        fields: dict[str, Any] = {}
+        if body and st.json_body:
+            fields = openai_fields(body)
+        kept: str | None = None
+        encoding: Literal["utf-8", "base64"] | None = None
+        if self.bodies != "none" and body:
+            kept, encoding = encode_body(body)
+        self._emit(
+            ev.RequestEnd(
+                t=m + self._wall,
+                m=m,
+                tap=self.tap,
+                conn=st.conn.conn,
+                seq=st.seq,
+                complete=complete,
+                body_bytes=size,
+                body_sha256=digest,
+                body=kept,
+                body_encoding=encoding,
+                body_kept=kept is not None or size == 0,
+                **fields,
+            )
+        )
+        st.req_parts = None
+
+    # ---- responses --------------------------------------------------------------------
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        st = self._flows.get(flow.id)
+        resp = flow.response
+        if st is None or resp is None or st.ended:
+            return
+        now = time.monotonic()
+        head_m = min(resp.timestamp_start - self._wall, now) if resp.timestamp_start else now
+        st.status = resp.status_code
+        st.resp_head_m = st.last_data_m = head_m
+        content_length: int | None = None
+        chunked = sse = False
+        keep_alive = resp.http_version != "HTTP/1.0"
+        size = len(resp.data.reason) + 15
+        for name, value in resp.headers.fields:
+            size += len(name) + len(value) + 4
+            lower = name.lower()
+            if lower == b"content-length":
+                try:
+                    content_length = int(value)
+                except ValueError:
+                    content_length = None
+            elif lower == b"transfer-encoding":
+                chunked = True
+            elif lower == b"content-type":
+                sse = value.lower().startswith(b"text/event-stream")
+            elif lower == b"connection":
+                lowered = value.lower()
+                if b"close" in lowered:
+                    keep_alive = False
+                elif b"keep-alive" in lowered:
+                    keep_alive = True
+        st.conn.upstream_bytes += size
+        if sse:
+            st.sse = SseObserver(st.conn.shape)
+        if self.bodies == "all":
+            st.raw = []
+        self._activity(st.conn, head_m)
+        self._emit(
+            ev.ResponseHead(
+                t=head_m + self._wall,
+                m=head_m,
+                tap=self.tap,
+                conn=st.conn.conn,
+                seq=st.seq,
+                status=resp.status_code,
+                reason=resp.reason,
+                version=_version(resp.http_version),
+                headers=_redact(resp.headers.fields),
+                ttfb=round(head_m - st.head_m, 6),
+                sse=sse,
+                content_length=content_length,
+                chunked=chunked,
+                keep_alive=keep_alive,
+                by_tracer=st.by_proxy,
+            )
+        )
+        if not keep_alive:
+            st.closes = "upstream"
+        if st.by_proxy:
+            return
+        if sse or resp.stream:  # SSE must not be buffered (mitmproxy #4469)
+            st.streamed_response = True
+            resp.stream = self._response_observer(st, resp.stream)
+
+    def _response_observer(self, st: _Flow, chain: StreamFn | bool) -> StreamFn:
+        """The stream callable: the hot path, one call per piece of body.
+
+        Each piece is observed at once (its time, size and SSE events) and let go; the
+        records are written a batch at a time (``body``): when a piece comes
+        ``BODY_BATCH_SECONDS`` (or ``BODY_BATCH_READS`` pieces) after the batch's first,
+        by the ticker, before a stall record and at the end of the response.
+        """
+        times, sizes, specials = st.times, st.sizes, st.specials
+        sse, raw = st.sse, st.raw
+        sse_feed = sse.feed if sse is not None else None
+        monotonic = time.monotonic
+        then = chain if callable(chain) else None
+
+        def observe(data: bytes) -> Iterable[bytes] | bytes:
+            if data:
+                now = monotonic()
+                if times and (
+                    now - times[0] >= BODY_BATCH_SECONDS or len(times) >= BODY_BATCH_READS
+                ):
+                    self._flush_guarded(st)
+                if sse_feed is not None:
+                    try:
+                        found = sse_feed(data)
+                    except Exception:
+                        found = []
+                        log.exception("tracer: observing a response body failed")
+                    if found is not None:  # (None: a plain content chunk)
+                        specials.append((len(times), found))
+                times.append(now)
+                sizes.append(len(data))
+                if raw is not None:
+                    raw.append(data)
+            elif st.body_end_m is None:  # mitmproxy's end-of-message call
+                st.body_end_m = monotonic()
+            return data if then is None else then(data)
+
+        return observe
+
+    def _flush_guarded(self, st: _Flow) -> None:
+        try:
+            self._flush_body(st)
+        except Exception:
+            log.exception("tracer: writing a body record failed; forwarding unchanged")
+        finally:
+            st.times.clear()
+            st.sizes.clear()
+            st.specials.clear()
+
+    def _flush_body(self, st: _Flow) -> None:
+        """Write the pieces observed so far as one ``body`` record."""
+        times, sizes, specials = st.times, st.sizes, st.specials
+        if not times:
+            return
+        first, last = times[0], times[-1]
+        if st.stall_start_m is not None and first > st.stall_start_m:
+            self._end_stall(st, first)  # the first bytes after a stall end it
+        dts = [int((m - first) * 1e6 + 0.5) / 1e6 for m in times]  # round(…, 6), cheaper
+        total = sum(sizes)
+        prev = st.last_data_m
+        gaps = (
+            map(sub, times, [prev, *times[:-1]]) if prev is not None else map(sub, times[1:], times)
+        )
+        st.max_gap = max(st.max_gap, max(gaps, default=0.0))
+        st.last_data_m = last
+        events: list[list[Any]] | None = None
+        if st.sse is not None:
+            if not specials:  # every piece a plain content chunk (see ContentShape)
+                events = [[dt, size, "content"] for dt, size in zip(dts, sizes, strict=True)]
+                plain = 0
+            else:
+                events, plain = [], -1
+                special = dict(specials)
+                for i, dt in enumerate(dts):
+                    found = special.get(i)
+                    if found is None:
+                        events.append([dt, sizes[i], "content"])
+                        if plain < 0:
+                            plain = i
+                        continue
+                    for sse in found:
+                        events.append([dt, *sse.as_record()])
+                        self._on_sse(st, sse, times[i])
+            st.events += len(times) - len(specials)
+            if plain >= 0 and (st.first_token_m is None or times[plain] < st.first_token_m):
+                st.first_token_m = times[plain]
+        st.resp_bytes += total
+        conn = st.conn
+        conn.upstream_bytes += total
+        if last > conn.last_activity_m:
+            conn.last_activity_m = last
+        data_text = encoding = None
+        if st.raw:
+            data_text, encoding = encode_body(b"".join(st.raw))
+            st.raw.clear()
+        self._emit(
+            ev.BodyData(
+                t=first + self._wall,
+                m=first,
+                tap=self.tap,
+                conn=conn.conn,
+                seq=st.seq,
+                size=total,
+                chunks=0,  # mitmproxy does not show chunk boundaries
+                reads=[[dt, size, 0] for dt, size in zip(dts, sizes, strict=True)],
+                sse=events or None,
+                data=data_text,
+                data_encoding=encoding,
+            )
+        )
+        times.clear()
+        sizes.clear()
+        specials.clear()
+
+    def _on_sse(self, st: _Flow, sse: SseEvent, m: float) -> None:
+        kind = sse.kind
+        if kind == "comment":
+            st.comments += 1
+            return
+        st.events += 1
+        if sse.content and st.first_token_m is None:
+            st.first_token_m = m
+        if kind == "done":
+            st.done = True
+        if sse.finish_reason is not None:
+            st.finish_reason = sse.finish_reason
+        if sse.usage is not None:
+            st.usage = sse.usage
+        if sse.error is not None:
+            st.error = sse.error
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        st = self._flows.get(flow.id)
+        resp = flow.response
+        if st is None or resp is None or st.ended:
+            return
+        if not st.request_done:  # the response came first (e.g. 413 during an upload)
+            self._request_end(st, flow.request.raw_content, time.monotonic(), complete=True)
+        if st.body_end_m is not None:
+            end_m = st.body_end_m
+        else:
+            end_m = (resp.timestamp_end or time.time()) - self._wall
+            end_m = min(end_m, time.monotonic())
+        if not st.streamed_response and st.resp_head_m is not None:
+            content = resp.raw_content  # buffered by mitmproxy: one piece, at the end
+            if content:
+                self._response_observer(st, False)(content)
+                st.times[-1] = end_m
+        self._flush_guarded(st)
+        last = st.last_data_m
+        if last is not None and end_m - last > st.max_gap:
+            st.max_gap = end_m - last
+        if st.by_proxy:
+            self._end(st, end_m, "tracer_response", detail="answered by a mitmproxy addon")
+        elif resp.status_code == 101:
+            self._end(st, end_m, "complete", detail="switched protocols")
+        else:
+            self._end(st, end_m, "complete")
+        if st.closes is not None:  # the connection ends after this exchange
+            self._note_cause(st.conn, st.closes)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        st = self._flows.get(flow.id)
+        if st is None or st.ended:
+            return
+        now = time.monotonic()
+        err = flow.error
+        msg = err.msg if err is not None else "error"
+        m = min(err.timestamp - self._wall, now) if err is not None else now
+        conn = st.conn
+        if msg == Error.KILLED_MESSAGE:
+            self._note_cause(conn, "tracer")
+            if not st.request_done:
+                self._request_end(st, flow.request.raw_content, m, complete=False)
+            self._end(st, m, "in_flight", detail=f"killed in mitmproxy: {msg}")
+            return
+        termination = self._cut_termination(st, msg)
+        if not st.request_done:
+            self._request_end(st, flow.request.raw_content, m, complete=False)
+        if termination == "client_abort":
+            self._note_cause(conn, "client")
+            self._end(st, m, "client_abort", detail=msg)
+            return
+        if st.resp_head_m is None and (flow.server_conn.error or not flow.server_conn.peername):
+            # mitmproxy answered the client itself (its 502: the upstream is unreachable)
+            self._note_cause(conn, "tracer")
+            st.status = 502
+            self._emit(
+                ev.ResponseHead(
+                    t=m + self._wall,
+                    m=m,
+                    tap=self.tap,
+                    conn=conn.conn,
+                    seq=st.seq,
+                    status=502,
+                    reason="Bad Gateway",
+                    version="1.1",
+                    headers=[],
+                    ttfb=round(m - st.head_m, 6),
+                    keep_alive=False,
+                    by_tracer=True,
+                )
+            )
+            self._end(st, m, "tracer_response", detail=msg)
+            return
+        self._note_cause(conn, "upstream")
+        if msg.startswith(_UNPARSED) and not any(s in msg for s in _UPSTREAM_CUT):
+            self._emit(
+                ev.Anomaly(
+                    t=m + self._wall,
+                    m=m,
+                    tap=self.tap,
+                    conn=conn.conn,
+                    seq=st.seq,
+                    direction="upstream",
+                    error=msg,
+                    offset=st.resp_bytes,  # body bytes before it (mitmproxy hides framing)
+                )
+            )
+            self._end(st, m, "unparsed", detail=msg)
+            return
+        self._end(st, m, "truncated", detail=msg)
+
+    def _cut_termination(self, st: _Flow, msg: str) -> ev.Termination:
+        """Who went first: the client (mitmproxy says so, or its socket stopped reading)."""
+        if msg.startswith(_CLIENT_GONE):
+            return "client_abort"
+        if not st.conn.client.state & connection.ConnectionState.CAN_READ:
+            return "client_abort"
+        return "truncated"
+
+    def _end(
+        self,
+        st: _Flow,
+        m: float,
+        termination: ev.Termination,
+        *,
+        detail: str | None = None,
+    ) -> None:
+        if st.ended:
+            return
+        st.ended = True
+        self._flush_body(st)
+        conn = st.conn
+        with contextlib.suppress(ValueError):
+            conn.pending.remove(st)
+        self._flows.pop(st.flow_id, None)
+        self._end_stall(st, m)
+        conn.last_end_m = m
+        conn.last_activity_m = max(conn.last_activity_m, m)
+        mid_event = bool(st.sse is not None and st.sse.pending)
+        self._emit(
+            ev.ResponseEnd(
+                t=m + self._wall,
+                m=m,
+                tap=self.tap,
+                conn=conn.conn,
+                seq=st.seq,
+                termination=termination,
+                status=st.status,
+                body_bytes=st.resp_bytes,
+                duration=round(m - st.head_m, 6),
+                ttfb=None if st.resp_head_m is None else round(st.resp_head_m - st.head_m, 6),
+                first_token=None
+                if st.first_token_m is None
+                else round(st.first_token_m - st.head_m, 6),
+                events=st.events,
+                comments=st.comments,
+                done=st.done,
+                finish_reason=st.finish_reason,
+                usage=st.usage,
+                error=st.error,
+                max_gap=round(st.max_gap, 6) if st.resp_head_m is not None else None,
+                mid_event=mid_event and termination != "complete",
+                detail=detail,
+            )
+        )
+        if termination != "complete":
+            log.warning(
+                "tracer: response ended %s (conn %d, request %d): %s",
+                termination,
+                conn.conn,
+                st.seq,
+                detail or "-",
+            )
+
+    # ---- stalls -------------------------------------------------------------------------
+
+    def _activity(self, conn: _Conn, m: float) -> None:
+        conn.last_activity_m = max(conn.last_activity_m, m)
+        if conn.pending:
+            st = conn.pending[0]
+            if st.stall_start_m is not None:
+                self._end_stall(st, m)
+
+    def _end_stall(self, st: _Flow, m: float) -> None:
+        if st.stall_start_m is None or st.stall_direction is None:
+            return
+        self._emit(
+            ev.Stall(
+                t=m + self._wall,
+                m=m,
+                tap=self.tap,
+                conn=st.conn.conn,
+                seq=st.seq,
+                phase="end",
+                direction=st.stall_direction,
+                silent_for=round(m - st.stall_start_m, 6),
+            )
+        )
+        log.info(
+            "tracer: stall ended (conn %d, request %d) after %.3fs",
+            st.conn.conn,
+            st.seq,
+            m - st.stall_start_m,
+        )
+        st.stall_start_m = None
+        st.stall_direction = None
+
+    async def _tick_loop(self) -> None:
+        while True:
+            interval = max(0.05, min(0.25, self.stall_after / 4))
+            await asyncio.sleep(interval)
+            try:
+                self.tick(time.monotonic())
+            except Exception:  # observation must never stop mitmproxy
+                log.exception("tracer: tick failed")
+
+    def tick(self, now: float) -> None:
+        """Flush old body batches; start stalls for requests gone silent (the tap's ticker)."""
+        if self.writer is None:
+            return
+        for conn in list(self._conns.values()):
+            for st in conn.pending:
+                if st.times and (
+                    now - st.times[0] >= BODY_BATCH_SECONDS or st.stall_start_m is not None
+                ):
+                    self._flush_guarded(st)
+            if not conn.pending:
+                continue
+            st = conn.pending[0]
+            last = conn.last_activity_m
+            if st.times and st.times[-1] > last:
+                last = st.times[-1]
+            silent = now - last
+            if st.stall_start_m is not None or silent < self.stall_after:
+                continue
+            blocked, unsent = _client_backlog(conn.client)
+            direction: StallDirection
+            if blocked or (unsent is not None and unsent > 0 and st.status is not None):
+                direction = "client_not_reading"
+            elif not st.request_done and st.status is None:
+                direction = "client_silent"
+            else:
+                direction = "upstream_silent"
+            self._flush_guarded(st)  # the last bytes before the stall go on record first
+            st.stall_start_m = last
+            st.stall_direction = direction
+            self._emit(
+                ev.Stall(
+                    t=now + self._wall,
+                    m=now,
+                    tap=self.tap,
+                    conn=conn.conn,
+                    seq=st.seq,
+                    phase="start",
+                    direction=direction,
+                    silent_for=round(silent, 6),
+                    unsent_bytes=unsent,
+                )
+            )
+            log.warning(
+                "tracer: stall started (conn %d, request %d): %s for %.3fs",
+                conn.conn,
+                st.seq,
+                direction,
+                silent,
+            )
+
+    # ---- output ---------------------------------------------------------------------------
+
+    def _emit(self, event: ev.Event) -> None:
+        writer = self.writer
+        if writer is not None:
+            writer.write(event)
+
+
+class ContentShape:
+    """The shape of a stream's plain content chunks: a shortcut past ``sse.classify``.
+
+    An engine writes its content chunks alike: the same bytes before the generated
+    text (``data: {"id":"…",…"delta":{"content":"``) and after it (``"},…}`` and the
+    blank line). Once ``sse.classify`` has called one such one-line event a plain
+    ``content`` chunk (no finish_reason, usage or error), any event made of the same
+    prefix, a non-empty text without ``"``, CR or LF, and the same suffix gets the same
+    answer from it: the classifier's patterns all begin with a ``"``, so none can start
+    inside the text, and the suffix (which must go on with ``,`` or ``}`` after the
+    closing quote) cannot complete one that began before. ``matches`` checks that in a
+    few byte comparisons instead of a classification.
+    """
+
+    __slots__ = ("_lp", "_ls", "prefix", "suffix")
+
+    def __init__(self) -> None:
+        self.prefix = self.suffix = b""
+        self._lp = self._ls = 0
+
+    def learn(self, event: bytes, sse: SseEvent) -> None:
+        """``event``: one whole event (its blank line included), ``sse``: its class."""
+        if (
+            sse.kind != "content"
+            or sse.usage is not None
+            or sse.error is not None
+            or event.count(b"\n") != 2
+            or b"\r" in event
+        ):
+            return
+        start = event.find(b'"content":"') + 11
+        end = event.find(b'"', start)
+        if start < 11 or end <= start or event[end + 1 : end + 2] not in (b",", b"}"):
+            return
+        self.prefix, self.suffix = event[:start], event[end:]
+        self._lp, self._ls = start, len(event) - end
+
+    def matches(self, event: bytes) -> bool:
+        if not (self._lp and event.startswith(self.prefix) and event.endswith(self.suffix)):
+            return False
+        end = len(event) - self._ls
+        return self._lp < end and _NOT_IN_TEXT.search(event, self._lp, end) is None
+
+
+_NOT_IN_TEXT = re.compile(rb'["\r\n]')
+
+
+class SseObserver:
+    """The SSE events of a response, piece by piece: ``sse.SseSplitter`` with a shortcut.
+
+    ``feed(piece)`` gives the same events as ``SseSplitter.feed`` would, except that a
+    piece that is a plain content chunk of the connection's ``ContentShape`` gives
+    ``None`` (one ``content`` event: no finish_reason, usage or error) without being
+    split or classified. A piece that is one whole event (an event per chunk: the usual)
+    is classified alone and may teach the shape; anything else goes through the
+    splitter. ``tests/test_addon_trace.py`` checks it against the splitter.
+    """
+
+    __slots__ = ("_held", "shape", "splitter")
+
+    def __init__(self, shape: ContentShape) -> None:
+        self.splitter = SseSplitter()
+        self.shape = shape
+        self._held = False  # the splitter holds the beginning of an event
+
+    @property
+    def pending(self) -> int:
+        return self.splitter.pending
+
+    def feed(self, piece: bytes) -> list[SseEvent] | None:
+        if self._held:
+            found = self.splitter.feed(piece)
+            self._held = self.splitter.pending > 0
+            return found
+        if self.shape.matches(piece):
+            return None
+        if len(piece) > 2 and piece.find(b"\n\n") == len(piece) - 2 and b"\r" not in piece:
+            sse = classify(piece[:-2])
+            self.shape.learn(piece, sse)
+            return [sse]
+        found = self.splitter.feed(piece)
+        self._held = self.splitter.pending > 0
+        return found
+
+
+_NAMES: dict[bytes, tuple[str, bool]] = {}  # header name -> (as text, holds a secret)
+
+
+def _redact(fields: Iterable[tuple[bytes, bytes]]) -> list[list[str]]:
+    """``redact.redact_headers``, with what it decides per header name remembered."""
+    out: list[list[str]] = []
+    for raw_name, raw_value in fields:
+        known = _NAMES.get(raw_name)
+        if known is None:
+            name = raw_name.decode("latin-1")
+            known = (name, is_secret(name))
+            if len(_NAMES) < 4096:
+                _NAMES[raw_name] = known
+        name, secret = known
+        value = raw_value.decode("latin-1")
+        out.append([name, redact_value(name, value) if secret else value])
+    return out
+
+
+def _options_error(message: str) -> Exception:
+    return exceptions.OptionsError(message)  # type: ignore[no-untyped-call]
+
+
+def _version(http_version: str) -> str:
+    return http_version.removeprefix("HTTP/")
+
+
+def _addr(value: Any) -> str:
+    if isinstance(value, tuple | list) and len(value) >= 2:
+        host = str(value[0])
+        return f"[{host}]:{value[1]}" if ":" in host else f"{host}:{value[1]}"
+    return str(value) if value else "-"
+
+
+def _client_backlog(client: connection.Client) -> tuple[bool, int | None]:
+    """Whether mitmproxy holds bytes for the client, and the kernel's unsent bytes.
+
+    Best effort through mitmproxy's internals (its proxyserver keeps the client's
+    asyncio writer); (False, None) when they are not there.
+    """
+    try:
+        proxyserver = ctx.master.addons.get("proxyserver")  # type: ignore[no-untyped-call]
+        handler = proxyserver.connections[client.id]
+        transport = handler.transports[client].writer.transport
+        buffered = int(transport.get_write_buffer_size())
+        sock = transport.get_extra_info("socket")
+    except Exception:
+        return False, None
+    unsent: int | None = None
+    if sock is not None:
+        try:
+            raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+            unsent = int(struct.unpack("i", raw)[0])
+        except (OSError, ValueError):
+            unsent = None
+    return buffered > 0, unsent
+
+
+addons = [TraceAddon()]

@@ -1,0 +1,275 @@
+"""``python -m bench.run --scenarios addon``: what ``addons/trace.py`` costs mitmdump.
+
+Two mitmdump processes run side by side on core 1, both started exactly like the bench's
+``mitmdump`` target (reverse mode, ``stream_large_bodies=1``, the streaming script); one
+of them also loads ``addons/trace.py`` writing a capture. Same upstream, same load
+generator and the same rig as ``bench.run`` (its ``_measure`` and ``_settle``);
+``stream-c16`` and ``plain-c16``, each round measuring both back to back, the order
+reversed every other round. Reported: events/s, req/s, proxy CPU per event / request,
+and the ratios with/without the addon (medians of paired per-round ratios). The target:
+the addon costs mitmdump at most 10 % (throughput ratio ≥ 0.90, CPU ratio ≤ 1.10).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import peers
+from .procs import Proc, free_port, spawn, wait_port
+from .report import fmt_rate, fmt_time
+from .run import REPO, RIG_CORE, Config, _measure, _say, _settle
+
+SCENARIOS = ("stream-c16", "plain-c16")
+BASE, TRACED = "mitmdump", "mitmdump+trace"
+MAX_OVERHEAD = 0.10
+
+
+def _start(name: str, upstream_port: int, out: Path, *, trace: bool) -> peers.Target:
+    port = free_port()
+    script = out / "mitm_stream.py"
+    script.write_text(peers.MITM_SCRIPT)
+    confdir = out / "mitmproxy"
+    confdir.mkdir(exist_ok=True)
+    argv = [
+        str(Path(sys.executable).parent / "mitmdump"),
+        "--mode",
+        f"reverse:http://127.0.0.1:{upstream_port}",
+        "--listen-host",
+        "127.0.0.1",
+        "-p",
+        str(port),
+        "-q",
+        "--set",
+        "stream_large_bodies=1",
+        "--set",
+        f"confdir={confdir}",
+        "-s",
+        str(script),
+    ]
+    if trace:
+        capture = out / "addon-tap.jsonl"
+        capture.unlink(missing_ok=True)
+        argv += ["-s", str(REPO / "addons" / "trace.py"), "--set", f"tracer_capture={capture}"]
+    proc = spawn(name.replace("+", "-"), argv, core=peers.PROXY_CORE, log_dir=out, cwd=REPO)
+    try:
+        wait_port(port, proc.popen, timeout=30)
+    except RuntimeError as exc:
+        proc.stop()
+        raise RuntimeError(f"{name}: {exc}\n{proc.log_tail()}") from exc
+    return peers.Target(name, port, proc)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def _median(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+async def _run(cfg: Config, procs: list[Proc]) -> dict[str, Any]:
+    out = cfg.out
+    upstream_port = free_port()
+    upstream = spawn(
+        "upstream",
+        [sys.executable, "-m", "bench.upstream", "--port", str(upstream_port)],
+        core=RIG_CORE,
+        log_dir=out,
+        cwd=REPO,
+    )
+    procs.append(upstream)
+    wait_port(upstream_port, upstream.popen, timeout=15)
+    targets = {
+        BASE: _start(BASE, upstream_port, out, trace=False),
+        TRACED: _start(TRACED, upstream_port, out, trace=True),
+    }
+    for t in targets.values():
+        assert t.proc is not None
+        procs.append(t.proc)
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        s: {BASE: [], TRACED: []} for s in SCENARIOS
+    }
+    names = [BASE, TRACED]
+    for rnd in range(cfg.rounds):
+        order = names if rnd % 2 == 0 else names[::-1]
+        _say(f"-- addon round {rnd + 1}/{cfg.rounds}: {', '.join(order)}")
+        for scen in SCENARIOS:
+            for name in order:
+                target = targets[name]
+                others = [t.proc for n, t in targets.items() if n != name and t.proc is not None]
+                await _settle([upstream, *[t.proc for t in targets.values() if t.proc]])
+                try:
+                    m = await _measure(scen, target, upstream, others, cfg)
+                except Exception as exc:
+                    m = {"failed": f"{type(exc).__name__}: {exc}"}
+                m["round"] = rnd + 1
+                _say(_line(scen, name, m))
+                if "failed" not in m:
+                    runs[scen][name].append(m)
+                if not target.alive():
+                    raise RuntimeError(
+                        f"{name} died:\n{target.proc.log_tail() if target.proc else ''}"
+                    )
+                await asyncio.sleep(0.1)
+    traced = targets[TRACED].proc
+    assert traced is not None
+    traced.stop()  # writes capture_end
+    return {"runs": runs, "capture": _capture_end(out / "addon-tap.jsonl")}
+
+
+def _capture_end(path: Path) -> dict[str, Any]:
+    info: dict[str, Any] = {"path": str(path)}
+    try:
+        info["bytes"] = path.stat().st_size
+        with open(path, "rb") as f:
+            f.seek(max(0, info["bytes"] - 4096))
+            tail = f.read().splitlines()
+    except OSError:
+        return info
+    for raw in reversed(tail):
+        try:
+            rec = json.loads(raw)
+        except ValueError:
+            continue
+        if rec.get("type") == "capture_end":
+            info["capture_end"] = rec
+        break
+    return info
+
+
+def _line(scen: str, name: str, m: dict[str, Any]) -> str:
+    if "failed" in m:
+        return f"{scen:11} {name:15} FAILED: {m['failed']}"
+    proxy = f"proxy {(m.get('proxy_util') or 0) * 100:.0f}%"
+    if "eps" in m:
+        return (
+            f"{scen:11} {name:15} {fmt_rate(m['eps']):>7} ev/s  "
+            f"{fmt_time(m['cpu_per_event'])}/event  {proxy}"
+        )
+    return (
+        f"{scen:11} {name:15} {fmt_rate(m['rps']):>7} req/s  "
+        f"{fmt_time(m['cpu_per_req'])}/req  {proxy}"
+    )
+
+
+def aggregate(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """Medians per target, and medians of the paired per-round ratios traced/base."""
+    agg: dict[str, Any] = {}
+    for scen, by_target in runs.items():
+        rate, cpu = (
+            ("eps", "cpu_per_event") if scen.startswith("stream") else ("rps", "cpu_per_req")
+        )
+        base = {m["round"]: m for m in by_target.get(BASE, [])}
+        traced = {m["round"]: m for m in by_target.get(TRACED, [])}
+        paired = sorted(set(base) & set(traced))
+        agg[scen] = {
+            "rate": rate,
+            BASE: {
+                rate: _median([m[rate] for m in base.values()]),
+                cpu: _median([m[cpu] for m in base.values()]),
+            },
+            TRACED: {
+                rate: _median([m[rate] for m in traced.values()]),
+                cpu: _median([m[cpu] for m in traced.values()]),
+            },
+            "throughput_ratio": _median([_ratio(traced[r][rate], base[r][rate]) for r in paired]),
+            "cpu_ratio": _median([_ratio(traced[r][cpu], base[r][cpu]) for r in paired]),
+            "rounds": len(paired),
+        }
+    return agg
+
+
+def render(agg: dict[str, Any]) -> str:
+    lines = [
+        f"{'scenario':11} {'metric':16} {BASE:>10} {TRACED:>15} {'ratio':>7}",
+    ]
+    for scen, a in agg.items():
+        rate = a["rate"]
+        cpu = "cpu_per_event" if rate == "eps" else "cpu_per_req"
+        unit = "events/s" if rate == "eps" else "req/s"
+        lines.append(
+            f"{scen:11} {unit:16} {fmt_rate(a[BASE][rate]):>10} {fmt_rate(a[TRACED][rate]):>15} "
+            f"{_fmt_ratio(a['throughput_ratio']):>7}"
+        )
+        per = "CPU / event" if rate == "eps" else "CPU / request"
+        lines.append(
+            f"{'':11} {'proxy ' + per:16} {fmt_time(a[BASE][cpu]):>10} "
+            f"{fmt_time(a[TRACED][cpu]):>15} {_fmt_ratio(a['cpu_ratio']):>7}"
+        )
+    return "\n".join(lines)
+
+
+def _fmt_ratio(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def verdicts(agg: dict[str, Any]) -> list[str]:
+    out = []
+    for scen, a in agg.items():
+        ratio = a["throughput_ratio"]
+        if ratio is None:
+            out.append(f"?    {scen}: no paired rounds")
+            continue
+        ok = ratio >= 1 - MAX_OVERHEAD
+        out.append(
+            f"{'PASS' if ok else 'MISS'} {scen}: with the addon mitmdump keeps "
+            f"{ratio * 100:.1f} % of its throughput (target ≥ {(1 - MAX_OVERHEAD) * 100:.0f} %); "
+            f"CPU per unit x{_fmt_ratio(a['cpu_ratio'])}"
+        )
+    return out
+
+
+def main(cfg: Config) -> int:
+    """Run the addon comparison with ``bench.run``'s rounds, windows and output directory."""
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    procs: list[Proc] = []
+    _say(
+        f"bench addon: {BASE} vs {TRACED}; {cfg.rounds} round(s), warm-up {cfg.warmup:g}s + "
+        f"window {cfg.duration:g}s per run; output in {cfg.out}"
+    )
+    t0 = time.monotonic()
+    try:
+        result = asyncio.run(_run(cfg, procs))
+    except KeyboardInterrupt:
+        _say("interrupted; stopping what the bench started")
+        return 130
+    except RuntimeError as exc:
+        _say(f"bench addon: {exc}")
+        return 1
+    finally:
+        for p in procs:
+            p.stop()
+    agg = aggregate(result["runs"])
+    table = render(agg)
+    found = verdicts(agg)
+    doc = {
+        "config": {"rounds": cfg.rounds, "warmup": cfg.warmup, "duration": cfg.duration},
+        "elapsed_s": round(time.monotonic() - t0, 1),
+        "runs": result["runs"],
+        "aggregate": agg,
+        "checks": found,
+        "capture": result["capture"],
+        "table": table,
+    }
+    path = cfg.out / "addon-results.json"
+    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    print()
+    print(f"Medians over {cfg.rounds} round(s); ratios: {TRACED} / {BASE}, paired per round.")
+    print(table)
+    print()
+    for line in found:
+        print("  " + line)
+    end = result["capture"].get("capture_end") or {}
+    print(
+        f"addon capture: {result['capture'].get('bytes', 0) / 1e6:.0f} MB, "
+        f"{end.get('records', '?')} records, dropped {end.get('dropped', '?')}"
+    )
+    print(f"Written {path}")
+    return 0

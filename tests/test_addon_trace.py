@@ -1,0 +1,629 @@
+"""The mitmproxy addon (addons/trace.py): hook by hook, and in parity with the native tap.
+
+The parity test drives one scenario — a multi-round openai-SDK harness on keep-alive
+connections, a stall, a truncation and a client abort — through the native tap and
+through ``mitmdump -s addons/trace.py --mode reverse:...`` (a real process), and asserts
+that ``tracer analyze --format json`` gives the same per-request table once timing
+fields (and the two things mitmproxy cannot show: FIN vs reset, its own error wording)
+are dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from mitmproxy import connection, exceptions, http
+from mitmproxy.flow import Error
+
+from tracer.capture import read_records
+from tracer.sim.harness import HarnessConfig, run_harness
+from tracer.sse import SseSplitter
+
+from .conftest import recv_all, recv_until, running_tap, wait_closed, wait_until
+from .test_sim_engine import chat_request, engine_running
+
+with warnings.catch_warnings():  # mitmproxy.master imports ldap3, which warns on import
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from mitmproxy.test import taddons, tflow, tutils
+
+REPO = Path(__file__).resolve().parent.parent
+ADDON = REPO / "addons" / "trace.py"
+MITMDUMP = Path(sys.executable).parent / "mitmdump"
+
+
+def _load_addon() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("tracer_addon_trace", ADDON)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+trace = _load_addon()
+
+
+# ---- hook by hook, no I/O (mitmproxy's own test helpers) ----------------------------------
+
+
+@contextlib.contextmanager
+def addon_ctx(tmp_path: Path, **options: Any) -> Iterator[tuple[Any, Path]]:
+    addon = trace.TraceAddon()
+    path = tmp_path / f"cap-{time.monotonic_ns()}.jsonl"
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, tracer_capture=str(path), **options)
+        try:
+            yield addon, path
+        finally:
+            addon.done()
+
+
+def records(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    return [r for r in read_records(path) if kind is None or r["type"] == kind]
+
+
+SSE_CHUNKS = [
+    b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n',
+    b'data: {"choices":[{"delta":{"content":"tok0 "}}]}\n\n',
+    b'data: {"choices":[{"delta":{"content":"tok1 "}}]}\n\n',
+    b'data: {"choices":[{"delta":{},"finish_reason":"length"}]}\n\n',
+    b"data: [DONE]\n\n",
+]
+
+
+def a_flow(client: connection.Client | None = None, **req: Any) -> http.HTTPFlow:
+    now = time.time()
+    body = b'{"model":"m","stream":true,"max_tokens":4,"messages":[{"role":"user","content":"x"}]}'
+    headers = http.Headers(
+        (
+            (b"Host", b"up"),
+            (b"Authorization", b"Bearer sk-secret"),
+            (b"content-type", b"application/json"),
+            (b"x-request-id", b"rid-1"),
+            (b"content-length", str(len(body)).encode()),
+        )
+    )
+    request = tutils.treq(
+        method=b"POST",
+        path=b"/v1/chat/completions",
+        headers=headers,
+        content=body,
+        timestamp_start=now,
+        timestamp_end=now,
+        **req,
+    )
+    flow = tflow.tflow(client_conn=client, req=request)
+    flow.client_conn.timestamp_start = now
+    return flow
+
+
+def sse_response() -> http.Response:
+    now = time.time()
+    return tutils.tresp(
+        headers=http.Headers(
+            ((b"content-type", b"text/event-stream"), (b"transfer-encoding", b"chunked"))
+        ),
+        content=None,
+        timestamp_start=now,
+        timestamp_end=None,
+    )
+
+
+def start(addon: Any, flow: http.HTTPFlow) -> None:
+    addon.client_connected(flow.client_conn)
+    addon.requestheaders(flow)
+    addon.request(flow)
+
+
+def _chunk(delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> bytes:
+    """A chat.completion.chunk event as SGLang writes it (one per HTTP chunk)."""
+    body: dict[str, Any] = {
+        "id": "chatcmpl-7f3a",
+        "object": "chat.completion.chunk",
+        "created": 1796000000,
+        "model": "sim-model",
+        "choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}],
+        "usage": None,
+    }
+    body.update(extra)
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _corpus(rng: random.Random) -> list[bytes]:
+    """Events of every shape the classifier knows, content chunks most of all."""
+    texts = [
+        "tok",
+        "a b",
+        'say \\"hi\\"',
+        '"content":"x',
+        "\u00e9t\u00e9",
+        "data: ",
+        "}",
+        "x" * 300,
+    ]
+    out = [_chunk({"role": "assistant", "content": ""})]
+    for _ in range(rng.randrange(20, 60)):
+        r = rng.random()
+        if r < 0.7:
+            out.append(_chunk({"role": None, "content": rng.choice(texts), "tool_calls": None}))
+        elif r < 0.75:
+            out.append(_chunk({"reasoning_content": "think", "content": None}))
+        elif r < 0.78:
+            out.append(_chunk({"content": "", "tool_calls": [{"id": "t", "function": {}}]}))
+        elif r < 0.8:
+            out.append(b": keepalive\n\n")
+        elif r < 0.82:  # the same content chunk, spelled with spaces
+            out.append(
+                b'data: {"choices": [{"delta": {"content": "x"}, "finish_reason": null}]}\n\n'
+            )
+        elif r < 0.84:
+            out.append(_chunk({"content": "late"}, "stop"))
+        elif r < 0.86:
+            out.append(b'data: {"choices":[{"delta":{"content":"x"},"finish_reason": "stop"}]}\n\n')
+        elif r < 0.88:
+            out.append(_chunk({"content": "u"}, None, usage={"total_tokens": 2}))
+        elif r < 0.9:
+            out.append(b'data:{"choices":[{"delta":{"content":"no space"}}]}\r\n\r\n')
+        elif r < 0.92:
+            out.append(b'data: {"choices":[{"delta":\ndata: {"content":"two lines"}}]}\n\n')
+        elif r < 0.94:
+            out.append(b'data: {"error":{"message":"boom","code":500}}\n\n')
+        elif r < 0.96:
+            out.append(
+                b'data: {"choices":[{"delta":{"content":"y"}}],"usage":{"total_tokens":3}}\n\n'
+            )
+        elif r < 0.98:  # not JSON: raw quotes, CR or LF inside the text of a usual chunk
+            usual = _chunk({"role": None, "content": "@", "tool_calls": None})
+            raw = rng.choice(
+                [b'x","finish_reason":"stop', b'x","usage":{"n":1},"y":"', b"a\rb", b"a\nb"]
+            )
+            out.append(usual.replace(b"@", raw))
+        else:
+            out.append(b"data: not json\n\n")
+    out.append(_chunk({"content": ""}, "length"))
+    body = json.loads(_chunk(None)[6:])
+    body["usage"] = {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+    out.append(b"data: " + json.dumps(body).encode() + b"\n\n")
+    out.append(b"data: [DONE]\n\n")
+    return [e for e in out if e]
+
+
+def _pieces(events: list[bytes], rng: random.Random) -> list[bytes]:
+    """Mostly an event a piece; sometimes two in one, or one cut anywhere."""
+    stream = b"".join(events)
+    cuts, at = [], 0
+    for e in events:
+        at += len(e)
+        r = rng.random()
+        if r < 0.1 and len(e) > 2:
+            cuts.append(at - rng.randrange(1, len(e)))
+        if r < 0.9:
+            cuts.append(at)
+    cuts = sorted({*cuts, len(stream)})
+    return [stream[a:b] for a, b in zip([0, *cuts[:-1]], cuts, strict=True) if b > a]
+
+
+def _described(found: list[Any]) -> list[tuple[Any, ...]]:
+    return [(e.size, e.kind, e.content, e.finish_reason, e.usage, e.error) for e in found]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_sse_shortcut_gives_what_the_splitter_gives(seed: int) -> None:
+    rng = random.Random(seed)
+    shape = trace.ContentShape()  # one per connection: it outlives a response
+    for _ in range(3):
+        pieces = _pieces(_corpus(rng), rng)
+        reference = SseSplitter()
+        observer = trace.SseObserver(shape)
+        for piece in pieces:
+            expected = _described(reference.feed(piece))
+            found = observer.feed(piece)
+            if found is None:
+                assert expected == [(len(piece), "content", True, None, None, None)], piece
+            else:
+                assert _described(found) == expected, piece
+            assert observer.pending == reference.pending
+    assert shape.prefix  # the shortcut was taken
+
+
+def test_options_are_validated(tmp_path: Path) -> None:
+    addon = trace.TraceAddon()
+    with taddons.context(addon) as tctx:
+        for bad in ("0", "-1", "soon", "nan"):
+            with pytest.raises(exceptions.OptionsError, match="tracer_stall_after"):
+                tctx.configure(addon, tracer_stall_after=bad)
+        with pytest.raises(exceptions.OptionsError):
+            tctx.configure(addon, tracer_bodies="some")
+        with pytest.raises(exceptions.OptionsError, match="tracer_tap"):
+            tctx.configure(addon, tracer_tap=" ")
+        with pytest.raises(exceptions.OptionsError, match="cannot open"):
+            tctx.configure(addon, tracer_capture=str(tmp_path / "no" / "such" / "dir.jsonl"))
+        tctx.configure(addon, tracer_stall_after="0.25", tracer_bodies="all", tracer_tap="edge")
+        assert (addon.stall_after, addon.bodies, addon.tap) == (0.25, "all", "edge")
+        # tracing is off without a capture: hooks do nothing, nothing is streamed
+        flow = a_flow()
+        start(addon, flow)
+        flow.response = sse_response()
+        addon.responseheaders(flow)
+        assert flow.response.stream is False
+
+
+def test_sse_is_streamed_observed_unchanged_and_recorded(tmp_path: Path) -> None:
+    with addon_ctx(tmp_path, tracer_tap="m1") as (addon, path):
+        flow = a_flow()
+        start(addon, flow)
+        flow.response = sse_response()
+        addon.responseheaders(flow)
+        stream = flow.response.stream
+        assert callable(stream)  # mitmproxy #4469: SSE must not be buffered
+        for chunk in SSE_CHUNKS:
+            assert stream(chunk) == chunk
+        assert stream(b"") == b""
+        addon.response(flow)
+        # a plain response is left as mitmproxy has it (buffered), and recorded at its end
+        plain = a_flow(client=flow.client_conn)
+        addon.requestheaders(plain)
+        addon.request(plain)
+        plain.response = tutils.tresp(timestamp_start=time.time(), timestamp_end=time.time())
+        addon.responseheaders(plain)
+        assert plain.response.stream is False
+        addon.response(plain)
+        addon.client_disconnected(flow.client_conn)
+    recs = records(path)
+    assert recs[0]["type"] == "capture_start" and recs[0]["kind"] == "mitmproxy"
+    assert recs[0]["tap"] == "m1" and recs[-1]["type"] == "capture_end"
+    head = records(path, "request")[0]
+    assert ["Authorization", "Bearer [redacted]"] in head["headers"]
+    assert head["request_id"] == "rid-1" and head["seq"] == 1
+    end = records(path, "request_end")[0]
+    assert end["model"] == "m" and end["max_tokens"] == 4 and end["body_kept"]
+    body = records(path, "body")[0]
+    assert [e[2] for e in body["sse"]] == ["role", "content", "content", "finish", "done"]
+    assert len(body["reads"]) == 5 and body["chunks"] == 0
+    first, second = records(path, "response_end")
+    assert first["termination"] == "complete" and first["events"] == 5 and first["done"]
+    assert first["finish_reason"] == "length" and first["body_bytes"] == sum(map(len, SSE_CHUNKS))
+    assert second["seq"] == 2 and second["body_bytes"] == len(b"message")
+    close = records(path, "conn_close")[0]
+    assert close["requests"] == 2 and close["closed_by"] == "client"
+    assert close["how"] == "unknown"  # mitmproxy does not tell FIN from reset
+
+
+def test_a_stream_set_by_another_addon_is_chained(tmp_path: Path) -> None:
+    seen: list[bytes] = []
+
+    def other(data: bytes) -> bytes:
+        seen.append(data)
+        return data.upper()
+
+    with addon_ctx(tmp_path) as (addon, path):
+        flow = a_flow()
+        start(addon, flow)
+        flow.response = sse_response()
+        flow.response.stream = other
+        addon.responseheaders(flow)
+        stream = flow.response.stream
+        assert stream is not other and callable(stream)
+        assert stream(SSE_CHUNKS[1]) == SSE_CHUNKS[1].upper()
+        assert seen == [SSE_CHUNKS[1]]
+        # non-SSE bodies another addon streams (stream = True) are observed too
+        plain = a_flow(client=flow.client_conn)
+        addon.requestheaders(plain)
+        addon.request(plain)
+        plain.response = tutils.tresp(timestamp_start=time.time())
+        plain.response.stream = True
+        addon.responseheaders(plain)
+        assert callable(plain.response.stream)
+        assert plain.response.stream(b"abc") == b"abc"
+    assert sum(r["size"] for r in records(path, "body")) == len(SSE_CHUNKS[1]) + 3
+
+
+@pytest.mark.parametrize(
+    ("message", "termination"),
+    [
+        ("Client disconnected.", "client_abort"),
+        (
+            "HTTP/1 protocol error: peer closed connection without sending complete message "
+            "body (incomplete chunked read)",
+            "truncated",
+        ),
+        ("HTTP/1 protocol error: illegal chunk header: b'ZZZ\\r\\n'", "unparsed"),
+        (Error.KILLED_MESSAGE, "in_flight"),
+    ],
+)
+def test_errors_become_terminations(tmp_path: Path, message: str, termination: str) -> None:
+    with addon_ctx(tmp_path) as (addon, path):
+        flow = a_flow()
+        start(addon, flow)
+        flow.response = sse_response()
+        addon.responseheaders(flow)
+        flow.response.stream(SSE_CHUNKS[0] + SSE_CHUNKS[1][:10])  # cut inside an event
+        flow.error = Error(message)
+        addon.error(flow)
+        addon.client_disconnected(flow.client_conn)
+    end = records(path, "response_end")[0]
+    assert end["termination"] == termination and end["status"] == 200
+    assert end["events"] == 1 and end["mid_event"] is True and message in end["detail"]
+    assert bool(records(path, "anomaly")) == (termination == "unparsed")
+    close = records(path, "conn_close")[0]
+    expected = {"client_abort": "client", "truncated": "upstream", "unparsed": "upstream"}
+    assert close["closed_by"] == expected.get(termination, "tracer")
+    assert close["in_flight"] is True
+
+
+def test_a_connection_close_response_ends_the_connection_by_the_upstream(
+    tmp_path: Path,
+) -> None:
+    with addon_ctx(tmp_path) as (addon, path):
+        flow = a_flow()
+        start(addon, flow)
+        flow.response = tutils.tresp(timestamp_start=time.time(), timestamp_end=time.time())
+        flow.response.headers["connection"] = "close"
+        addon.responseheaders(flow)
+        addon.response(flow)
+        addon.client_disconnected(flow.client_conn)
+    assert records(path, "response")[0]["keep_alive"] is False
+    close = records(path, "conn_close")[0]
+    assert (close["closed_by"], close["in_flight"]) == ("upstream", False)
+
+
+def test_unreachable_upstream_is_mitmproxys_own_502(tmp_path: Path) -> None:
+    with addon_ctx(tmp_path) as (addon, path):
+        flow = a_flow()
+        flow.server_conn.peername = None
+        flow.server_conn.error = "Connect call failed ('127.0.0.1', 9)"
+        addon.client_connected(flow.client_conn)
+        addon.requestheaders(flow)
+        addon.request(flow)
+        flow.error = Error(flow.server_conn.error)
+        addon.error(flow)
+    head = records(path, "response")[0]
+    assert head["status"] == 502 and head["by_tracer"] is True
+    end = records(path, "response_end")[0]
+    assert end["termination"] == "tracer_response" and end["status"] == 502
+
+
+def test_stalls_start_on_tick_and_end_with_the_next_bytes(tmp_path: Path) -> None:
+    with addon_ctx(tmp_path, tracer_stall_after="0.5") as (addon, path):
+        flow = a_flow()
+        start(addon, flow)
+        flow.response = sse_response()
+        addon.responseheaders(flow)
+        flow.response.stream(SSE_CHUNKS[0])
+        now = time.monotonic()
+        addon.tick(now + 0.2)  # flushes the body batch, no stall yet
+        assert len(records_now(addon, path, "body")) == 1
+        addon.tick(now + 0.6)
+        addon.tick(now + 0.9)  # one start per stall
+        flow.response.stream(SSE_CHUNKS[1])
+        flow.response.stream(b"")
+        addon.response(flow)
+        # a request whose body never completes: the client is silent
+        slow = a_flow(client=flow.client_conn)
+        addon.requestheaders(slow)
+        addon.tick(time.monotonic() + 1.0)
+    stalls = records(path, "stall")
+    assert [(s["phase"], s["direction"], s["seq"]) for s in stalls] == [
+        ("start", "upstream_silent", 1),
+        ("end", "upstream_silent", 1),
+        ("start", "client_silent", 2),
+        ("end", "client_silent", 2),  # settled at shutdown, with the request in flight
+    ]
+    assert stalls[0]["silent_for"] >= 0.5
+    ends = records(path, "response_end")
+    assert [e["termination"] for e in ends] == ["complete", "in_flight"]
+    close = records(path, "conn_close")[0]  # mitmproxy stopped with a request in flight
+    assert (close["closed_by"], close["how"], close["in_flight"]) == ("tracer", "tracer", True)
+    assert records(path)[-1]["type"] == "capture_end"
+
+
+def records_now(addon: Any, path: Path, kind: str) -> list[dict[str, Any]]:
+    """Records on disk so far (waits for the writer's background flush)."""
+    deadline = time.monotonic() + 5
+    while True:
+        found = records(path, kind)
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.01)
+
+
+# ---- parity with the native tap: real processes on 127.0.0.1 --------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@asynccontextmanager
+async def mitmdump(upstream: str, tmp_path: Path, *options: str) -> AsyncIterator[tuple[str, Path]]:
+    """``mitmdump -s addons/trace.py --mode reverse:UPSTREAM``; yields its URL and capture."""
+    port = free_port()
+    capture = tmp_path / "mitm.jsonl"
+    log_path = tmp_path / "mitmdump.log"
+    cmd = [
+        str(MITMDUMP),
+        "--set",
+        "flow_detail=0",  # its log says when it listens; no line per flow
+        "-s",
+        "addons/trace.py",
+        "--mode",
+        f"reverse:{upstream}",
+        "--listen-host",
+        "127.0.0.1",
+        "-p",
+        str(port),
+        "--set",
+        f"confdir={tmp_path / 'mitmproxy'}",
+        "--set",
+        f"tracer_capture={capture}",
+        *options,
+    ]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with anyio.fail_after(30):  # (a probe connection would be in the capture)
+            while f"listening at 127.0.0.1:{port}" not in log_path.read_text(errors="replace"):
+                assert proc.poll() is None, log_path.read_text()
+                await anyio.sleep(0.05)
+        yield f"http://127.0.0.1:{port}", capture
+        proc.send_signal(signal.SIGTERM)
+        with anyio.fail_after(10):
+            while proc.poll() is None:
+                await anyio.sleep(0.02)
+        assert proc.returncode == 0, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+
+
+def _count(path: Path, kind: str) -> int:
+    try:
+        return sum(1 for r in read_records(path) if r["type"] == kind)
+    except (OSError, ValueError):
+        return 0
+
+
+CONNECTIONS = 5  # two harness sessions, one keep-alive client, a truncation, an abort
+
+
+async def scenario(url: str, all_closed: Callable[[], Awaitable[None]]) -> None:
+    """The same traffic for each tap; returns when the tap has seen every connection end."""
+    report = await run_harness(
+        HarnessConfig(base_url=url, sessions=2, rounds=3, think=0.05, max_tokens=6, deadline=10)
+    )
+    assert not report.failed and not report.not_run, report
+    body = {
+        "model": "sim-model",
+        "max_tokens": 6,
+        "stream": True,
+        "messages": [{"role": "user", "content": "one connection, three requests"}],
+    }
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        for rid, fault in (
+            ("keep-1", "none"),
+            ("keep-2", "stall:after=2:for=1.2"),
+            ("keep-3", "none"),
+        ):
+            headers = {"x-request-id": rid, "x-sim-fault": fault}
+            async with client.stream(
+                "POST", "/v1/chat/completions", json=body, headers=headers
+            ) as resp:
+                data = b"".join([chunk async for chunk in resp.aiter_bytes()])
+            assert resp.status_code == 200 and data.endswith(b"data: [DONE]\n\n")
+    port = int(url.rsplit(":", 1)[1])
+    async with await anyio.connect_tcp("127.0.0.1", port) as s:  # the upstream cuts it
+        await s.send(
+            chat_request(6, headers={"x-request-id": "cut", "x-sim-fault": "close:after=2"})
+        )
+        data, _ = await recv_all(s, timeout=10)
+    assert b"[DONE]" not in data and b"tok1" in data
+    async with await anyio.connect_tcp("127.0.0.1", port) as s:  # the client gives up
+        await s.send(chat_request(50, headers={"x-request-id": "abort", "x-sim-itl": "0.01"}))
+        await recv_until(s, lambda b: b.count(b'"content":"tok') >= 2, timeout=10)
+    await all_closed()
+
+
+IDENTITY = {"id", "tap", "conn", "request_id"}
+# counts that come from timing: how many gaps between events were under a threshold
+TIMING_COUNTS = {"zero_gaps", "bunch_gaps"}
+# what mitmproxy cannot show (FIN vs reset) and each tap's own wording of an end
+NOT_COMPARABLE = {"close", "detail"}
+
+
+def untimed(row: dict[str, Any]) -> dict[str, Any]:
+    """A request row without timing (every float is a time or a duration), identities and
+    tap-specific wording; stalls keep only their direction."""
+    out = {
+        k: v
+        for k, v in row.items()
+        if k not in IDENTITY | TIMING_COUNTS | NOT_COMPARABLE and not isinstance(v, float)
+    }
+    out["stalls"] = [s["direction"] for s in row["stalls"]]
+    return out
+
+
+def label(request_id: str) -> str:
+    """``s1-r2-1a2b3c4d`` (the harness adds a random suffix) -> ``s1-r2``."""
+    return request_id.rsplit("-", 1)[0] if request_id.startswith("s") else request_id
+
+
+def tables(capture: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], dict[str, Any]]]:
+    """Per-request rows by label, and per-connection rows by the labels they carried."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tracer", "analyze", str(capture), "--format", "json"],
+        capture_output=True,
+        check=True,
+        timeout=30,
+    )
+    doc = json.loads(out.stdout)
+    requests: dict[str, Any] = {}
+    on_conn: dict[int, list[tuple[int, str]]] = defaultdict(list)
+    for row in doc["requests"]:
+        key = label(row["request_id"])
+        assert key not in requests
+        requests[key] = untimed(row)
+        on_conn[row["conn"]].append((row["seq"], key))
+    conns = {}
+    for c in doc["connections"]:
+        keys = tuple(k for _, k in sorted(on_conn[c["conn"]]))
+        conns[keys] = {
+            "requests": c["requests"],
+            "closed_by": c["closed_by"],
+            "in_flight_at_close": c["in_flight_at_close"],
+        }
+    return requests, conns
+
+
+@pytest.mark.anyio
+async def test_parity_with_the_native_tap(tmp_path: Path) -> None:
+    async with engine_running(ttft=0.01, itl=0.004) as engine:
+        async with running_tap(engine.bound[1], tmp_path, name="native", stall_after=0.5) as tap:
+            await scenario(tap.url, lambda: wait_closed(tap, CONNECTIONS, timeout=10))
+        native_capture = tap.capture
+        async with mitmdump(
+            engine.url, tmp_path, "--set", "tracer_tap=mitm", "--set", "tracer_stall_after=0.5"
+        ) as (url, mitm_capture):
+
+            async def closed() -> None:
+                await wait_until(lambda: _count(mitm_capture, "conn_close") >= CONNECTIONS, 10)
+
+            await scenario(url, closed)
+    native, native_conns = tables(native_capture)
+    mitm, mitm_conns = tables(mitm_capture)
+    assert sorted(native) == sorted(mitm)
+    for key in native:
+        assert mitm[key] == native[key], key
+    assert mitm_conns == native_conns
+    # the scenario did what it says, in both
+    assert [native[f"s1-r{n}"]["seq"] for n in (1, 2, 3)] == [1, 2, 3]
+    assert native["keep-2"]["stalls"] == ["upstream_silent"] and native["keep-2"]["seq"] == 2
+    assert native["keep-3"]["termination"] == "complete" and native["keep-3"]["seq"] == 3
+    assert native["cut"]["termination"] == "truncated" and native["cut"]["events"] == 3
+    assert native["abort"]["termination"] == "client_abort"
+    assert all(r["done"] for k, r in native.items() if k not in ("cut", "abort"))
+    header = next(read_records(mitm_capture))
+    assert header["kind"] == "mitmproxy" and header["tap"] == "mitm"
+    assert header["options"]["stall_after"] == 0.5
+    assert _count(mitm_capture, "capture_end") == 1
+    assert os.path.getsize(mitm_capture) > 0
