@@ -117,6 +117,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     _engine_arguments(px)
     px.add_argument(
+        "--inject-request-id",
+        action="store_true",
+        help="ALTERS TRAFFIC (opt-in): add x-request-id: tracer-TAP-CONN-N to requests that "
+        "have none, so taps behind this one join requests exactly",
+    )
+    px.add_argument(
         "--probe-on-stall",
         action="store_true",
         help="on a stall, send a tiny request over a fresh connection to the upstream and "
@@ -299,7 +305,10 @@ def _proxy(args: argparse.Namespace) -> int:
         bodies=args.bodies,
         max_header_bytes=args.max_header_bytes,
         faults=list(args.fault),
+        inject_request_id=args.inject_request_id,
     )
+    if args.inject_request_id and args.fault:
+        raise ValueError("--inject-request-id and --fault cannot be combined (yet)")
     writer: CaptureWriter | None = None
     if args.capture:
         try:

@@ -66,6 +66,7 @@ from .faults import (
     Hold,
     Injected,
 )
+from .inject import RequestIdInjector
 from .sniff import Bodies, ConnectionObserver
 
 log = structlog.get_logger("tracer.relay")
@@ -89,6 +90,7 @@ class TapConfig:
     max_header_bytes: int = 64 * 1024
     max_body_keep: int = 16 * 1024 * 1024
     faults: list[Fault] = field(default_factory=list)  # --fault: opt-in, altering traffic
+    inject_request_id: bool = False  # --inject-request-id: opt-in, altering traffic
 
     @property
     def upstream_url(self) -> str:
@@ -235,6 +237,8 @@ class Tap:
         cfg = self.config
         if cfg.faults:
             extra["faults"] = [f.spec for f in cfg.faults]
+        if cfg.inject_request_id:
+            extra["inject_request_id"] = True  # this tap altered requests (opt-in)
         return ev.CaptureStart(
             t=now + self._wall,
             m=now,
@@ -698,6 +702,34 @@ class _Relay:
             log.exception("observer failed at EOF", conn=self.id)
 
 
+class _InjectingRelay(_Relay):
+    """A relay that adds ``x-request-id`` to requests without one (``--inject-request-id``).
+
+    The observer sees the rewritten bytes — what the upstream got — so every tap behind
+    this one records the same id and the multi-tap join is exact.
+    """
+
+    def __init__(self, tap: Tap, client: asyncio.Transport) -> None:
+        super().__init__(tap, client)
+        self.injector = RequestIdInjector(f"tracer-{tap.config.name}-{self.id}")
+
+    def from_client(self, data: bytes) -> None:
+        try:
+            data = self.injector.feed(data)
+        except Exception:  # the rewriter must never stop traffic
+            log.exception("request-id injection failed; passing through", conn=self.id)
+            data = self.injector.flush() + data
+            self.injector.give_up()
+        if data:
+            super().from_client(data)
+
+    def on_client_eof(self) -> None:
+        held = self.injector.flush()
+        if held:
+            super().from_client(held)
+        super().on_client_eof()
+
+
 class _FaultRelay(_Relay):
     """A relay with faults (``--fault``): every byte goes through ``ConnectionFaults``.
 
@@ -923,10 +955,12 @@ class _ClientSide(asyncio.Protocol):
             transport.abort()
             return
         plan = self.tap.fault_plan
-        if plan is None:
-            self.relay = _Relay(self.tap, transport)
-        else:
+        if plan is not None:
             self.relay = _FaultRelay(self.tap, transport, plan)
+        elif self.tap.config.inject_request_id:
+            self.relay = _InjectingRelay(self.tap, transport)
+        else:
+            self.relay = _Relay(self.tap, transport)
 
     def data_received(self, data: bytes) -> None:
         if self.relay is not None:

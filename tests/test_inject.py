@@ -1,0 +1,108 @@
+"""--inject-request-id: every request gets an id, nothing else changes, any cut."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tracer.capture import read_records
+from tracer.inject import RequestIdInjector
+
+from .test_cli_proxy import tracer_proxy
+from .test_sim_engine import engine_running
+
+GET = b"GET /v1/models HTTP/1.1\r\nHost: r\r\n\r\n"
+WITH_ID = b"GET /a HTTP/1.1\r\nHost: r\r\nX-Request-Id: mine\r\n\r\n"
+POST = b'POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\ncontent-length: 13\r\n\r\n{"a": "b\r\n"}'
+CHUNKED = (
+    b"POST /u HTTP/1.1\r\nHost: r\r\ntransfer-encoding: chunked\r\n\r\n"
+    b"5\r\nGET /\r\n4\r\n\r\n\r\n\r\n0\r\n\r\n"
+)
+STREAM = GET + WITH_ID + POST + CHUNKED + GET
+
+
+def expected() -> bytes:
+    def add(head: bytes, n: int) -> bytes:
+        line, rest = head.split(b"\r\n", 1)
+        return line + b"\r\nx-request-id: t-1-%d\r\n" % n + rest
+
+    return add(GET, 1) + WITH_ID + add(POST, 3) + add(CHUNKED, 4) + add(GET, 5)
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_ids_are_added_whatever_the_cuts(seed: int) -> None:
+    rnd = random.Random(seed)
+    cuts = sorted(rnd.sample(range(1, len(STREAM)), k=rnd.randint(0, 20)))
+    if seed == 0:
+        cuts = list(range(1, len(STREAM)))  # byte by byte
+    injector = RequestIdInjector("t-1")
+    out = b"".join(
+        injector.feed(STREAM[a:b]) for a, b in zip([0, *cuts], [*cuts, len(STREAM)], strict=True)
+    )
+    assert out == expected()
+    assert injector.injected == 4
+
+
+def test_what_it_cannot_follow_passes_unchanged() -> None:
+    for junk in (b"\x16\x03\x01\x02\x00" + b"x" * 100, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"):
+        injector = RequestIdInjector("t")
+        assert injector.feed(junk) == junk
+        assert injector.feed(GET) == GET  # and stays pass-through
+    bad = b"POST / HTTP/1.1\r\ntransfer-encoding: gzip\r\n\r\nabc"
+    injector = RequestIdInjector("t")
+    out = injector.feed(bad)
+    assert out.endswith(b"\r\n\r\nabc") and b"x-request-id: t-1" in out
+    assert injector.feed(GET) == GET
+
+
+@pytest.mark.anyio
+async def test_two_taps_join_exactly_with_injected_ids(tmp_path: Path) -> None:
+    """front tap (--inject-request-id) -> back tap -> sim engine, a client sending no ids."""
+    front, back = tmp_path / "front.jsonl", tmp_path / "back.jsonl"
+    async with engine_running(ttft=0.0, itl=0.001) as sim:
+        async with (
+            tracer_proxy(
+                "proxy",
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                sim.url,
+                "--tap",
+                "back",
+                "--capture",
+                str(back),
+            ) as back_tap,
+            tracer_proxy(
+                "proxy",
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                back_tap.url,
+                "--tap",
+                "front",
+                "--capture",
+                str(front),
+                "--inject-request-id",
+            ) as front_tap,
+        ):
+            async with httpx.AsyncClient(timeout=5) as client:
+                for _ in range(3):
+                    r = await client.post(
+                        front_tap.url + "/v1/chat/completions",
+                        json={
+                            "model": "m",
+                            "max_tokens": 2,
+                            "messages": [{"role": "user", "content": "x"}],
+                        },
+                    )
+                    assert r.status_code == 200
+    ids = {
+        name: [r["request_id"] for r in read_records(path) if r["type"] == "request"]
+        for name, path in (("front", front), ("back", back))
+    }
+    assert ids["front"] == ids["back"] == [f"tracer-front-1-{n}" for n in (1, 2, 3)]
+    header = next(read_records(front))
+    assert header["options"]["inject_request_id"] is True
