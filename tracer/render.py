@@ -83,7 +83,7 @@ def verdict_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def to_text(result: dict[str, Any], *, width: int = 160) -> str:
+def to_text(result: dict[str, Any], *, width: int = 200) -> str:
     buf = io.StringIO()
     console = Console(
         file=buf, width=width, color_system=None, force_terminal=False, highlight=False
@@ -142,8 +142,7 @@ def to_text(result: dict[str, Any], *, width: int = 160) -> str:
         "request",
         "start",
         "idle before",
-        "method",
-        "target",
+        "request line",
         "x-request-id",
         "status",
         "ttfb",
@@ -166,8 +165,7 @@ def to_text(result: dict[str, Any], *, width: int = 160) -> str:
             r["id"],
             _rel(r["start"], origin),
             _ms(r["idle_before"]) if r["reused"] else "fresh",
-            r["method"],
-            r["target"],
+            f"{r['method']} {r['target']}",
             r["request_id"] or "-",
             str(r["status"] or "-"),
             _ms(r["ttfb"]),
