@@ -86,10 +86,17 @@ from mitmproxy.proxy import server_hooks
 from tracer import __version__
 from tracer import events as ev
 from tracer.capture import CaptureWriter
-from tracer.redact import is_secret, redact_value
-from tracer.sniff import BODY_BATCH_READS, BODY_BATCH_SECONDS, MAX_BODY_KEEP
-from tracer.sniff import _encode_body as encode_body
-from tracer.sniff import _openai_fields as openai_fields
+from tracer.redact import redact_headers
+from tracer.sniff import (
+    BODY_BATCH_READS,
+    BODY_BATCH_SECONDS,
+    MAX_BODY_KEEP,
+    count_sse,
+    encode_body,
+    end_stall,
+    openai_fields,
+    response_end,
+)
 from tracer.sse import SseEvent, SseSplitter, classify
 
 log = logging.getLogger(__name__)
@@ -532,7 +539,7 @@ class TraceAddon:
                 method=req.method,
                 target=req.path,
                 version=_version(req.http_version),
-                headers=_redact(req.headers.fields),
+                headers=redact_headers(req.headers.fields),
                 request_id=request_id,
                 content_length=content_length,
                 chunked=chunked,
@@ -661,7 +668,7 @@ class TraceAddon:
                 status=resp.status_code,
                 reason=resp.reason,
                 version=_version(resp.http_version),
-                headers=_redact(resp.headers.fields),
+                headers=redact_headers(resp.headers.fields),
                 ttfb=round(head_m - st.head_m, 6),
                 sse=sse,
                 content_length=content_length,
@@ -793,21 +800,7 @@ class TraceAddon:
         specials.clear()
 
     def _on_sse(self, st: _Flow, sse: SseEvent, m: float) -> None:
-        kind = sse.kind
-        if kind == "comment":
-            st.comments += 1
-            return
-        st.events += 1
-        if sse.content and st.first_token_m is None:
-            st.first_token_m = m
-        if kind == "done":
-            st.done = True
-        if sse.finish_reason is not None:
-            st.finish_reason = sse.finish_reason
-        if sse.usage is not None:
-            st.usage = sse.usage
-        if sse.error is not None:
-            st.error = sse.error
+        count_sse(st, sse, m)
 
     def response(self, flow: http.HTTPFlow) -> None:
         st = self._flows.get(flow.id)
@@ -928,31 +921,9 @@ class TraceAddon:
         self._end_stall(st, m)
         conn.last_end_m = m
         conn.last_activity_m = max(conn.last_activity_m, m)
-        mid_event = bool(st.sse is not None and st.sse.pending)
         self._emit(
-            ev.ResponseEnd(
-                t=m + self._wall,
-                m=m,
-                tap=self.tap,
-                conn=conn.conn,
-                seq=st.seq,
-                termination=termination,
-                status=st.status,
-                body_bytes=st.resp_bytes,
-                duration=round(m - st.head_m, 6),
-                ttfb=None if st.resp_head_m is None else round(st.resp_head_m - st.head_m, 6),
-                first_token=None
-                if st.first_token_m is None
-                else round(st.first_token_m - st.head_m, 6),
-                events=st.events,
-                comments=st.comments,
-                done=st.done,
-                finish_reason=st.finish_reason,
-                usage=st.usage,
-                error=st.error,
-                max_gap=round(st.max_gap, 6) if st.resp_head_m is not None else None,
-                mid_event=mid_event and termination != "complete",
-                detail=detail,
+            response_end(
+                st, m, termination, tap=self.tap, conn=conn.conn, wall=self._wall, detail=detail
             )
         )
         if termination != "complete":
@@ -974,28 +945,16 @@ class TraceAddon:
                 self._end_stall(st, m)
 
     def _end_stall(self, st: _Flow, m: float) -> None:
-        if st.stall_start_m is None or st.stall_direction is None:
+        event = end_stall(st, m, tap=self.tap, conn=st.conn.conn, wall=self._wall)
+        if event is None:
             return
-        self._emit(
-            ev.Stall(
-                t=m + self._wall,
-                m=m,
-                tap=self.tap,
-                conn=st.conn.conn,
-                seq=st.seq,
-                phase="end",
-                direction=st.stall_direction,
-                silent_for=round(m - st.stall_start_m, 6),
-            )
-        )
+        self._emit(event)
         log.info(
             "tracer: stall ended (conn %d, request %d) after %.3fs",
             st.conn.conn,
             st.seq,
-            m - st.stall_start_m,
+            event.silent_for,
         )
-        st.stall_start_m = None
-        st.stall_direction = None
 
     async def _tick_loop(self) -> None:
         while True:
@@ -1148,25 +1107,6 @@ class SseObserver:
         found = self.splitter.feed(piece)
         self._held = self.splitter.pending > 0
         return found
-
-
-_NAMES: dict[bytes, tuple[str, bool]] = {}  # header name -> (as text, holds a secret)
-
-
-def _redact(fields: Iterable[tuple[bytes, bytes]]) -> list[list[str]]:
-    """``redact.redact_headers``, with what it decides per header name remembered."""
-    out: list[list[str]] = []
-    for raw_name, raw_value in fields:
-        known = _NAMES.get(raw_name)
-        if known is None:
-            name = raw_name.decode("latin-1")
-            known = (name, is_secret(name))
-            if len(_NAMES) < 4096:
-                _NAMES[raw_name] = known
-        name, secret = known
-        value = raw_value.decode("latin-1")
-        out.append([name, redact_value(name, value) if secret else value])
-    return out
 
 
 def _options_error(message: str) -> Exception:

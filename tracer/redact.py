@@ -4,6 +4,7 @@ is written (capture, logs, admin status)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 REDACTED = "[redacted]"
 
@@ -40,11 +41,24 @@ def redact_value(name: str, value: str) -> str:
     return REDACTED
 
 
-def redact_headers(headers: list[tuple[bytes, bytes]]) -> list[list[str]]:
-    """h11 header pairs to ``[name, value]`` strings, secrets redacted."""
+_NAMES: dict[bytes, tuple[str, bool]] = {}  # header name -> (as text, holds a secret)
+
+
+def redact_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[list[str]]:
+    """Header pairs to ``[name, value]`` strings, secrets redacted.
+
+    What is decided per header name is remembered (a bounded table): the same few names
+    come with every request.
+    """
     out: list[list[str]] = []
     for raw_name, raw_value in headers:
-        name = raw_name.decode("latin-1")
+        known = _NAMES.get(raw_name)
+        if known is None:
+            name = raw_name.decode("latin-1")
+            known = (name, is_secret(name))
+            if len(_NAMES) < 4096:
+                _NAMES[raw_name] = known
+        name, secret = known
         value = raw_value.decode("latin-1")
-        out.append([name, redact_value(name, value)])
+        out.append([name, redact_value(name, value) if secret else value])
     return out

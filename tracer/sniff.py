@@ -52,14 +52,14 @@ import hashlib
 import json
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import h11
 
 from . import events as ev
 from .framing import BodyDecoder, FramingError, body_framing
 from .redact import redact_headers
-from .sse import SseSplitter
+from .sse import SseEvent, SseSplitter
 
 Emit = Callable[[ev.Event], None]
 Bodies = Literal["none", "requests", "all"]
@@ -483,11 +483,11 @@ class ConnectionObserver:
         body = b"".join(req.body_parts) if req.body_parts else b""
         fields: dict[str, Any] = {}
         if body and req.content_type_json:
-            fields = _openai_fields(body)
+            fields = openai_fields(body)
         kept: str | None = None
         encoding: Literal["utf-8", "base64"] | None = None
         if self._bodies != "none" and req.body_parts is not None and body:
-            kept, encoding = _encode_body(body)
+            kept, encoding = encode_body(body)
         self._emit(
             ev.RequestEnd(
                 t=m + self._wall,
@@ -677,22 +677,8 @@ class ConnectionObserver:
         elif self._held is not None and req.may_switch:
             self._release_held(m)
 
-    def _on_sse(self, req: _Request, sse: Any, m: float) -> None:
-        kind = sse.kind
-        if kind == "comment":
-            req.comments += 1
-            return
-        req.events += 1
-        if sse.content and req.first_token_m is None:
-            req.first_token_m = m
-        if kind == "done":
-            req.done = True
-        if sse.finish_reason is not None:
-            req.finish_reason = sse.finish_reason
-        if sse.usage is not None:
-            req.usage = sse.usage
-        if sse.error is not None:
-            req.error = sse.error
+    def _on_sse(self, req: _Request, sse: SseEvent, m: float) -> None:
+        count_sse(req, sse, m)
 
     def _add_read(
         self,
@@ -736,7 +722,7 @@ class ConnectionObserver:
             return
         data = encoding = None
         if req.batch_raw:
-            data, encoding = _encode_body(b"".join(req.batch_raw))
+            data, encoding = encode_body(b"".join(req.batch_raw))
         self._emit(
             ev.BodyData(
                 t=first + self._wall,
@@ -788,31 +774,15 @@ class ConnectionObserver:
                 self._pending.remove(req)
         self._end_stall(req, m)
         self._last_end_m = m
-        mid_event = bool(req.sse is not None and req.sse.pending)
         self._emit(
-            ev.ResponseEnd(
-                t=m + self._wall,
-                m=m,
+            response_end(
+                req,
+                m,
+                termination,
                 tap=self.tap,
                 conn=self.conn,
-                seq=req.seq,
-                termination=termination,
-                status=req.status,
-                body_bytes=req.resp_bytes,
-                duration=round(m - req.head_m, 6),
-                ttfb=None if req.resp_head_m is None else round(req.resp_head_m - req.head_m, 6),
-                first_token=None
-                if req.first_token_m is None
-                else round(req.first_token_m - req.head_m, 6),
-                events=req.events,
-                comments=req.comments,
-                done=req.done,
-                finish_reason=req.finish_reason,
-                usage=req.usage,
-                error=req.error,
-                max_gap=round(req.max_gap, 6) if req.resp_head_m is not None else None,
+                wall=self._wall,
                 close=close,
-                mid_event=mid_event and termination != "complete",
                 detail=detail,
             )
         )
@@ -831,22 +801,9 @@ class ConnectionObserver:
                 self._end_stall(req, m)
 
     def _end_stall(self, req: _Request, m: float) -> None:
-        if req.stall_start_m is None or req.stall_direction is None:
-            return
-        self._emit(
-            ev.Stall(
-                t=m + self._wall,
-                m=m,
-                tap=self.tap,
-                conn=self.conn,
-                seq=req.seq,
-                phase="end",
-                direction=req.stall_direction,
-                silent_for=round(m - req.stall_start_m, 6),
-            )
-        )
-        req.stall_start_m = None
-        req.stall_direction = None
+        event = end_stall(req, m, tap=self.tap, conn=self.conn, wall=self._wall)
+        if event is not None:
+            self._emit(event)
 
     def _cut_termination(self) -> ev.Termination:
         client, upstream = self.client_closed_m, self.upstream_closed_m
@@ -903,7 +860,110 @@ def _mirror_request(method: str, headers: tuple[tuple[bytes, bytes], ...]) -> h1
     return h11.Request(method=method, target="/", headers=list(headers))
 
 
-def _openai_fields(body: bytes) -> dict[str, Any]:
+class ResponseState(Protocol):
+    """What a tap keeps about a response in flight (the native observer's ``_Request``
+    and the mitmproxy addon's flow state both have it): the records below read it."""
+
+    seq: int
+    head_m: float
+    status: int | None
+    resp_head_m: float | None
+    resp_bytes: int
+    events: int
+    comments: int
+    first_token_m: float | None
+    done: bool
+    finish_reason: str | None
+    usage: dict[str, Any] | None
+    error: str | None
+    max_gap: float
+    stall_start_m: float | None
+    stall_direction: StallDirection | None
+
+    @property
+    def sse(self) -> Any: ...
+
+
+def count_sse(state: ResponseState, sse: SseEvent, m: float) -> None:
+    """Account one SSE event: events, heartbeats, first token, [DONE], finish, usage, error."""
+    kind = sse.kind
+    if kind == "comment":
+        state.comments += 1
+        return
+    state.events += 1
+    if sse.content and state.first_token_m is None:
+        state.first_token_m = m
+    if kind == "done":
+        state.done = True
+    if sse.finish_reason is not None:
+        state.finish_reason = sse.finish_reason
+    if sse.usage is not None:
+        state.usage = sse.usage
+    if sse.error is not None:
+        state.error = sse.error
+
+
+def response_end(
+    state: ResponseState,
+    m: float,
+    termination: ev.Termination,
+    *,
+    tap: str,
+    conn: int,
+    wall: float,
+    close: Literal["fin", "reset"] | None = None,
+    detail: str | None = None,
+) -> ev.ResponseEnd:
+    """The ``response_end`` record of a response, whatever tap followed it."""
+    head = state.head_m
+    mid_event = bool(state.sse is not None and state.sse.pending)
+    return ev.ResponseEnd(
+        t=m + wall,
+        m=m,
+        tap=tap,
+        conn=conn,
+        seq=state.seq,
+        termination=termination,
+        status=state.status,
+        body_bytes=state.resp_bytes,
+        duration=round(m - head, 6),
+        ttfb=None if state.resp_head_m is None else round(state.resp_head_m - head, 6),
+        first_token=None if state.first_token_m is None else round(state.first_token_m - head, 6),
+        events=state.events,
+        comments=state.comments,
+        done=state.done,
+        finish_reason=state.finish_reason,
+        usage=state.usage,
+        error=state.error,
+        max_gap=round(state.max_gap, 6) if state.resp_head_m is not None else None,
+        close=close,
+        mid_event=mid_event and termination != "complete",
+        detail=detail,
+    )
+
+
+def end_stall(
+    state: ResponseState, m: float, *, tap: str, conn: int, wall: float
+) -> ev.Stall | None:
+    """The ``stall`` end record when the response was stalled (and clear the stall)."""
+    if state.stall_start_m is None or state.stall_direction is None:
+        return None
+    event = ev.Stall(
+        t=m + wall,
+        m=m,
+        tap=tap,
+        conn=conn,
+        seq=state.seq,
+        phase="end",
+        direction=state.stall_direction,
+        silent_for=round(m - state.stall_start_m, 6),
+    )
+    state.stall_start_m = None
+    state.stall_direction = None
+    return event
+
+
+def openai_fields(body: bytes) -> dict[str, Any]:
     """model, stream, max_tokens and message count from an OpenAI-style JSON body."""
     try:
         obj = json.loads(body)
@@ -927,7 +987,7 @@ def _openai_fields(body: bytes) -> dict[str, Any]:
     return out
 
 
-def _encode_body(body: bytes) -> tuple[str, Literal["utf-8", "base64"]]:
+def encode_body(body: bytes) -> tuple[str, Literal["utf-8", "base64"]]:
     try:
         return body.decode("utf-8"), "utf-8"
     except UnicodeDecodeError:
