@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import signal
 import sys
 import textwrap
@@ -21,6 +22,15 @@ from .render import to_markdown, to_text, write_json
 
 EXIT_USAGE = 2
 EXIT_INPUT = 3
+
+# Commands that live in a module of their own: each has configure(parser) and run(args).
+COMMANDS = {
+    "replay": "replay a capture against a target (same connections and timing, or fresh)",
+    "bench": "closed-loop streaming benchmark (tokens/s, TTFT, ITL, TPOT) per concurrency",
+    "compare": "compare two bench results per concurrency, with the run-to-run spread",
+    "report": "a Markdown incident report with a timeline picture",
+    "top": "live terminal view of a running tap (through its admin endpoint)",
+}
 
 PROXY_EPILOG = """\
 examples:
@@ -159,6 +169,12 @@ def _parser() -> argparse.ArgumentParser:
         "NAME[:ARG...][@RULE,...], listed below. Off by default",
     )
     px.add_argument(
+        "--otlp",
+        metavar="URL",
+        help="export one OpenTelemetry span per request to this OTLP/HTTP endpoint "
+        "(e.g. http://127.0.0.1:4318)",
+    )
+    px.add_argument(
         "--max-header-bytes",
         type=int,
         default=64 * 1024,
@@ -198,6 +214,10 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="a real end-to-end run on this machine")
     demo.add_argument("--out", default="demo-out", metavar="DIR")
+
+    for name, help_text in COMMANDS.items():
+        module = importlib.import_module(f".{name}", __package__)
+        module.configure(sub.add_parser(name, help=help_text, description=module.__doc__))
 
     sim = sub.add_parser("sim", help="simulated engine and harness")
     sim_sub = sim.add_subparsers(dest="sim_command", required=True)
@@ -266,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import main as demo_main
 
             return demo_main(args.out)
+        if args.command in COMMANDS:
+            module = importlib.import_module(f".{args.command}", __package__)
+            return int(module.run(args))
         if args.command == "sim":
             from .sim import cli as sim_cli
 
@@ -336,6 +359,12 @@ def _proxy(args: argparse.Namespace) -> int:
             load=poller,
         )
         tap.sinks.append(prober)
+    otlp = None
+    if args.otlp:
+        from .otlp import OtlpSink
+
+        otlp = OtlpSink(args.otlp, tap=config.name, wall_offset=tap.wall_offset)
+        tap.sinks.append(otlp)
     if writer is not None:
         writer.write(tap.header(engine_metrics=args.engine_metrics, probes=args.probe_on_stall))
     reason = "stopped"
@@ -345,6 +374,8 @@ def _proxy(args: argparse.Namespace) -> int:
         print(f"tracer: cannot listen on {args.listen}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
     finally:
+        if otlp is not None:
+            otlp.close()
         if writer is not None:
             writer.finish(config.name, reason)
     return 0

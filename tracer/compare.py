@@ -1,0 +1,13 @@
+"""``tracer compare`` (not built yet)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Declare this command's options."""
+
+
+def run(args: argparse.Namespace) -> int:
+    raise ValueError("tracer compare is not built yet")
