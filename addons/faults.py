@@ -34,9 +34,10 @@ mitmproxy gives an addon no hook inside a streamed body, so a stall can only be 
 ends, closing with FIN (``:reset`` is refused); it has no hook on an idle connection, so
 ``close-idle-after`` is refused. With ``buffer-stream`` the event faults do not apply.
 
-Each injection is logged and appended to ``flow.metadata["tracer.faults"]`` as
-``{"fault", "spec", "seq", "detail"}``, for a capture addon to write as a ``fault``
-record. Load this addon after ``addons/trace.py`` so that its hooks have the last word.
+Each injection is logged, appended to ``flow.metadata["tracer.faults"]`` as
+``{"fault", "spec", "seq", "detail"}``, and, when ``addons/trace.py`` is loaded, written
+to its capture as a ``fault`` record (as ``tracer proxy --fault`` writes it). Load this
+addon after ``addons/trace.py`` so that its hooks have the last word.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class TracerFaults:
         fault = decision.request
         if fault is not None and fault.name == "half-open":
             self._note(flow, st, fault, "the flow is held before its body: never answered")
-            flow.intercept()
+            flow.intercept()  # type: ignore[no-untyped-call]
 
     def request(self, flow: http.HTTPFlow) -> None:
         st = self._flows.get(flow.id)
@@ -158,7 +159,7 @@ class TracerFaults:
             return
         detail = "request read and not forwarded; the connection stays open and silent"
         self._note(flow, st, fault, detail)
-        flow.intercept()  # never resumed
+        flow.intercept()  # type: ignore[no-untyped-call]  # never resumed
 
     # ---- responses ------------------------------------------------------------------
 
@@ -185,9 +186,9 @@ class TracerFaults:
         if st is None or st.stopped is None:
             return
         if st.stopped.name == "stall-after-events":
-            flow.intercept()  # the end of the body never comes
+            flow.intercept()  # type: ignore[no-untyped-call]  # the end of the body never comes
         else:
-            flow.kill()  # closed without the end of the body
+            flow.kill()  # type: ignore[no-untyped-call]  # closed without the end of the body
 
     def error(self, flow: http.HTTPFlow) -> None:
         self._flows.pop(flow.id, None)
@@ -200,6 +201,9 @@ class TracerFaults:
             "detail": detail,
         }
         flow.metadata.setdefault("tracer.faults", []).append(note)
+        tracer = ctx.master.addons.get("traceaddon")  # type: ignore[no-untyped-call]
+        if tracer is not None:
+            tracer.record_fault(flow, st.seq, fault.name, fault.spec, detail)
         log.warning("tracer fault injected: %s (request %d): %s", fault.spec, st.seq, detail)
 
 

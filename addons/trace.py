@@ -1016,6 +1016,35 @@ class TraceAddon:
                 silent,
             )
 
+    # ---- injected faults (from addons/faults.py) ------------------------------------------
+
+    def record_fault(
+        self, flow: http.HTTPFlow, seq: int, fault: str, spec: str, detail: str
+    ) -> None:
+        """A fault ``addons/faults.py`` injected into this flow, written as the tap writes it.
+
+        Called by the faults addon when the fault acts, so that analysis never takes an
+        injected fault for an external one. Works whichever addon mitmproxy loaded first:
+        the connection is found (or opened) from the flow's client connection.
+        """
+        if self.writer is None:
+            return
+        now = time.monotonic()
+        st = self._flows.get(flow.id)
+        conn = st.conn if st is not None else self._conn_of(flow.client_conn, now)
+        self._emit(
+            ev.FaultInjected(
+                t=now + self._wall,
+                m=now,
+                tap=self.tap,
+                conn=conn.conn,
+                seq=st.seq if st is not None else seq,
+                fault=fault,
+                spec=spec,
+                detail=detail,
+            )
+        )
+
     # ---- output ---------------------------------------------------------------------------
 
     def _emit(self, event: ev.Event) -> None:

@@ -21,6 +21,8 @@ import openai
 import pytest
 from mitmproxy import exceptions, http
 
+from tracer import events as ev
+from tracer.capture import read_events
 from tracer.faults import parse_fault, status_body
 
 from .conftest import recv_all, recv_until
@@ -198,10 +200,15 @@ def free_port() -> int:
 
 
 @asynccontextmanager
-async def mitmdump(upstream: str, tmp_path: Path, *specs: str) -> AsyncIterator[str]:
+async def mitmdump(
+    upstream: str, tmp_path: Path, *specs: str, capture: Path | None = None
+) -> AsyncIterator[str]:
     port = free_port()
     log_path = tmp_path / f"mitmdump-{port}.log"
-    cmd = [str(MITMDUMP), "--set", "flow_detail=0", "-s", str(ADDON)]
+    cmd = [str(MITMDUMP), "--set", "flow_detail=0"]
+    if capture is not None:  # the trace addon first, as addons/faults.py asks
+        cmd += ["-s", str(REPO / "addons" / "trace.py"), "--set", f"tracer_capture={capture}"]
+    cmd += ["-s", str(ADDON)]
     cmd += ["--mode", f"reverse:{upstream}", "--listen-host", "127.0.0.1", "-p", str(port)]
     cmd += ["--set", f"confdir={tmp_path / 'mitmproxy'}"]
     for spec in specs:
@@ -243,8 +250,9 @@ async def test_mitmdump_hang_status_stall_against_the_sim_engine(tmp_path: Path)
         "status:503@path=/v1/completions",
         "stall-after-events:2:inf@path=/v1/chat/*",
     )
+    capture = tmp_path / "mitm.jsonl"
     async with engine_running(ttft=0.0, itl=0.001) as engine:
-        async with mitmdump(engine.url, tmp_path, *specs) as url:
+        async with mitmdump(engine.url, tmp_path, *specs, capture=capture) as url:
             port = int(url.rsplit(":", 1)[1])
             # hang-on-reuse: the third request on a keep-alive connection gets nothing
             async with await anyio.connect_tcp("127.0.0.1", port) as s:
@@ -288,6 +296,21 @@ async def test_mitmdump_hang_status_stall_against_the_sim_engine(tmp_path: Path)
                 assert texts == ["", "tok0 "]
     assert engine.hits["POST /v1/completions"] == 0
     assert engine.hits["GET /v1/models"] == 3
+    # with addons/trace.py loaded too, each injection is a fault record on its request
+    events = list(read_events(capture))
+    requests = {(e.conn, e.seq): e for e in events if isinstance(e, ev.RequestHead)}
+    faults = [e for e in events if isinstance(e, ev.FaultInjected)]
+    assert [f.fault for f in faults] == [
+        "hang-on-reuse",
+        "stall-after-events",
+        "status",
+        "stall-after-events",
+    ]
+    hang = faults[0]
+    assert hang.seq == 3 and requests[(hang.conn, 3)].method == "GET"
+    assert hang.spec == "hang-on-reuse:3@method=GET"
+    for fault in faults[1:]:
+        assert requests[(fault.conn, fault.seq)].method == "POST"
 
 
 @pytest.mark.anyio
