@@ -1,13 +1,15 @@
 """``python -m bench.run --scenarios addon``: what ``addons/trace.py`` costs mitmdump.
 
-Two mitmdump processes run side by side on core 1, both started exactly like the bench's
+Three mitmdump processes run side by side on core 1, all started exactly like the bench's
 ``mitmdump`` target (reverse mode, ``stream_large_bodies=1``, the streaming script); one
-of them also loads ``addons/trace.py`` writing a capture. Same upstream, same load
+also loads ``addons/trace.py`` writing a capture, one an addon with the same hooks doing
+nothing (the floor: what mitmproxy's hook dispatch and a stream callable cost any addon). Same upstream, same load
 generator and the same rig as ``bench.run`` (its ``_measure`` and ``_settle``);
-``stream-c16`` and ``plain-c16``, each round measuring both back to back, the order
+``stream-c16`` and ``plain-c16``, each round measuring the three back to back, the order
 reversed every other round. Reported: events/s, req/s, proxy CPU per event / request,
 and the ratios with/without the addon (medians of paired per-round ratios). The target:
 the addon costs mitmdump at most 10 % (throughput ratio ≥ 0.90, CPU ratio ≤ 1.10).
+``--profile`` samples the two addon processes with py-spy in round 1.
 """
 
 from __future__ import annotations
@@ -20,17 +22,41 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import peers
+from . import peers, profile
 from .procs import Proc, free_port, spawn, wait_port
 from .report import fmt_rate, fmt_time
-from .run import REPO, RIG_CORE, Config, _measure, _say, _settle
+from .run import REPO, RIG_CORE, Config, _measure, _profile_done, _say, _settle
 
 SCENARIOS = ("stream-c16", "plain-c16")
-BASE, TRACED = "mitmdump", "mitmdump+trace"
+BASE, HOOKS, TRACED = "mitmdump", "mitmdump+hooks", "mitmdump+trace"
 MAX_OVERHEAD = 0.10
 
+# The floor: an addon with the trace addon's hooks, doing nothing (a pass-through stream
+# callable on every response). What is left above it is the addon's own work.
+HOOKS_SCRIPT = """\
+class Hooks:
+    def load(self, loader):
+        loader.add_option("tracer_capture", str, "", "unused")
 
-def _start(name: str, upstream_port: int, out: Path, *, trace: bool) -> peers.Target:
+    def client_connected(self, client): pass
+    def server_connect(self, data): pass
+    def server_connected(self, data): pass
+    def server_connect_error(self, data): pass
+    def client_disconnected(self, client): pass
+    def requestheaders(self, flow): pass
+    def request(self, flow): pass
+    def response(self, flow): pass
+    def error(self, flow): pass
+
+    def responseheaders(self, flow):
+        flow.response.stream = lambda data: data
+
+
+addons = [Hooks()]
+"""
+
+
+def _start(name: str, upstream_port: int, out: Path) -> peers.Target:
     port = free_port()
     script = out / "mitm_stream.py"
     script.write_text(peers.MITM_SCRIPT)
@@ -52,10 +78,14 @@ def _start(name: str, upstream_port: int, out: Path, *, trace: bool) -> peers.Ta
         "-s",
         str(script),
     ]
-    if trace:
+    if name == TRACED:
         capture = out / "addon-tap.jsonl"
         capture.unlink(missing_ok=True)
         argv += ["-s", str(REPO / "addons" / "trace.py"), "--set", f"tracer_capture={capture}"]
+    elif name == HOOKS:
+        hooks = out / "mitm_hooks.py"
+        hooks.write_text(HOOKS_SCRIPT)
+        argv += ["-s", str(hooks)]
     proc = spawn(name.replace("+", "-"), argv, core=peers.PROXY_CORE, log_dir=out, cwd=REPO)
     try:
         wait_port(port, proc.popen, timeout=30)
@@ -86,17 +116,15 @@ async def _run(cfg: Config, procs: list[Proc]) -> dict[str, Any]:
     )
     procs.append(upstream)
     wait_port(upstream_port, upstream.popen, timeout=15)
-    targets = {
-        BASE: _start(BASE, upstream_port, out, trace=False),
-        TRACED: _start(TRACED, upstream_port, out, trace=True),
-    }
+    names = [BASE, HOOKS, TRACED]
+    targets = {name: _start(name, upstream_port, out) for name in names}
     for t in targets.values():
         assert t.proc is not None
         procs.append(t.proc)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
-        s: {BASE: [], TRACED: []} for s in SCENARIOS
+        s: {name: [] for name in names} for s in SCENARIOS
     }
-    names = [BASE, TRACED]
+    profiles: dict[str, Any] = {}
     for rnd in range(cfg.rounds):
         order = names if rnd % 2 == 0 else names[::-1]
         _say(f"-- addon round {rnd + 1}/{cfg.rounds}: {', '.join(order)}")
@@ -105,10 +133,16 @@ async def _run(cfg: Config, procs: list[Proc]) -> dict[str, Any]:
                 target = targets[name]
                 others = [t.proc for n, t in targets.items() if n != name and t.proc is not None]
                 await _settle([upstream, *[t.proc for t in targets.values() if t.proc]])
+                spy = None
+                if cfg.profile and rnd == 0 and name != BASE and target.proc is not None:
+                    spy_out = out / f"profile-{name.replace('+', '-')}-{scen}.txt"
+                    spy = profile.start(target.proc.pid, spy_out, cfg.warmup + cfg.duration)
                 try:
                     m = await _measure(scen, target, upstream, others, cfg)
                 except Exception as exc:
                     m = {"failed": f"{type(exc).__name__}: {exc}"}
+                if spy is not None:
+                    profiles[f"{name} {scen}"] = await _profile_done(spy, spy_out, scen)
                 m["round"] = rnd + 1
                 _say(_line(scen, name, m))
                 if "failed" not in m:
@@ -121,7 +155,7 @@ async def _run(cfg: Config, procs: list[Proc]) -> dict[str, Any]:
     traced = targets[TRACED].proc
     assert traced is not None
     traced.stop()  # writes capture_end
-    return {"runs": runs, "capture": _capture_end(out / "addon-tap.jsonl")}
+    return {"runs": runs, "capture": _capture_end(out / "addon-tap.jsonl"), "profiles": profiles}
 
 
 def _capture_end(path: Path) -> dict[str, Any]:
@@ -166,21 +200,24 @@ def aggregate(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any
         rate, cpu = (
             ("eps", "cpu_per_event") if scen.startswith("stream") else ("rps", "cpu_per_req")
         )
-        base = {m["round"]: m for m in by_target.get(BASE, [])}
-        traced = {m["round"]: m for m in by_target.get(TRACED, [])}
+        by_round = {
+            name: {m["round"]: m for m in by_target.get(name, [])} for name in (BASE, HOOKS, TRACED)
+        }
+        base, hooks, traced = by_round[BASE], by_round[HOOKS], by_round[TRACED]
         paired = sorted(set(base) & set(traced))
-        agg[scen] = {
-            "rate": rate,
-            BASE: {
-                rate: _median([m[rate] for m in base.values()]),
-                cpu: _median([m[cpu] for m in base.values()]),
-            },
-            TRACED: {
-                rate: _median([m[rate] for m in traced.values()]),
-                cpu: _median([m[cpu] for m in traced.values()]),
-            },
+        floor = sorted(set(base) & set(hooks))
+        agg[scen] = {"rate": rate}
+        for name, runs_of in by_round.items():
+            agg[scen][name] = {
+                rate: _median([m[rate] for m in runs_of.values()]),
+                cpu: _median([m[cpu] for m in runs_of.values()]),
+            }
+        agg[scen] |= {
             "throughput_ratio": _median([_ratio(traced[r][rate], base[r][rate]) for r in paired]),
             "cpu_ratio": _median([_ratio(traced[r][cpu], base[r][cpu]) for r in paired]),
+            "hooks_throughput_ratio": _median(
+                [_ratio(hooks[r][rate], base[r][rate]) for r in floor]
+            ),
             "rounds": len(paired),
         }
     return agg
@@ -188,22 +225,27 @@ def aggregate(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any
 
 def render(agg: dict[str, Any]) -> str:
     lines = [
-        f"{'scenario':11} {'metric':16} {BASE:>10} {TRACED:>15} {'ratio':>7}",
+        f"{'scenario':11} {'metric':16} {BASE:>10} {HOOKS:>15} {TRACED:>15} {'ratio':>7}",
     ]
     for scen, a in agg.items():
         rate = a["rate"]
         cpu = "cpu_per_event" if rate == "eps" else "cpu_per_req"
         unit = "events/s" if rate == "eps" else "req/s"
         lines.append(
-            f"{scen:11} {unit:16} {fmt_rate(a[BASE][rate]):>10} {fmt_rate(a[TRACED][rate]):>15} "
-            f"{_fmt_ratio(a['throughput_ratio']):>7}"
+            f"{scen:11} {unit:16} {fmt_rate(a[BASE][rate]):>10} {fmt_rate(a[HOOKS][rate]):>15} "
+            f"{fmt_rate(a[TRACED][rate]):>15} {_fmt_ratio(a['throughput_ratio']):>7}"
         )
         per = "CPU / event" if rate == "eps" else "CPU / request"
         lines.append(
             f"{'':11} {'proxy ' + per:16} {fmt_time(a[BASE][cpu]):>10} "
-            f"{fmt_time(a[TRACED][cpu]):>15} {_fmt_ratio(a['cpu_ratio']):>7}"
+            f"{fmt_time(a[HOOKS][cpu]):>15} {fmt_time(a[TRACED][cpu]):>15} "
+            f"{_fmt_ratio(a['cpu_ratio']):>7}"
         )
     return "\n".join(lines)
+
+
+def _fmt_pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:.1f} %"
 
 
 def _fmt_ratio(v: float | None) -> str:
@@ -221,7 +263,8 @@ def verdicts(agg: dict[str, Any]) -> list[str]:
         out.append(
             f"{'PASS' if ok else 'MISS'} {scen}: with the addon mitmdump keeps "
             f"{ratio * 100:.1f} % of its throughput (target ≥ {(1 - MAX_OVERHEAD) * 100:.0f} %); "
-            f"CPU per unit x{_fmt_ratio(a['cpu_ratio'])}"
+            f"CPU per unit x{_fmt_ratio(a['cpu_ratio'])}; an addon with the same hooks doing "
+            f"nothing keeps {_fmt_pct(a.get('hooks_throughput_ratio'))}"
         )
     return out
 
@@ -231,7 +274,7 @@ def main(cfg: Config) -> int:
     cfg.out.mkdir(parents=True, exist_ok=True)
     procs: list[Proc] = []
     _say(
-        f"bench addon: {BASE} vs {TRACED}; {cfg.rounds} round(s), warm-up {cfg.warmup:g}s + "
+        f"bench addon: {BASE} vs {HOOKS} vs {TRACED}; {cfg.rounds} round(s), warm-up {cfg.warmup:g}s + "
         f"window {cfg.duration:g}s per run; output in {cfg.out}"
     )
     t0 = time.monotonic()
