@@ -212,8 +212,22 @@ def _parser() -> argparse.ArgumentParser:
         help="this tap's clients are the harness itself (no proxy in front)",
     )
 
-    demo = sub.add_parser("demo", help="a real end-to-end run on this machine")
+    from .demo import DEFAULT, SCENARIOS
+
+    demo = sub.add_parser(
+        "demo",
+        help="reproduce the incident (or another scenario) on this machine",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="scenarios:\n"
+        + "\n".join(f"  {name:20} {s.summary}" for name, s in SCENARIOS.items()),
+    )
     demo.add_argument("--out", default="demo-out", metavar="DIR")
+    demo.add_argument(
+        "--scenario",
+        default=DEFAULT,
+        choices=list(SCENARIOS),
+        help=f"which incident to reproduce (default {DEFAULT}; others go to DIR/NAME/)",
+    )
 
     for name, help_text in COMMANDS.items():
         module = importlib.import_module(f".{name}", __package__)
@@ -285,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from .demo import main as demo_main
 
-            return demo_main(args.out)
+            return demo_main(args.out, args.scenario)
         if args.command in COMMANDS:
             module = importlib.import_module(f".{args.command}", __package__)
             return int(module.run(args))

@@ -31,6 +31,18 @@ examples:
   tracer sim engine --listen 127.0.0.1:30000 --max-running 8 --fault stall:after=3:for=10:every=5
   tracer sim engine --engine-type decode --fault lost:nth=2 --fault reset:after=2:from=10
 
+playback (--from CAPTURE): answer with a capture's responses and their pacing
+  requests are matched by method, target and body SHA-256; one fingerprint captured
+  several times is answered in captured order, then 404 (or again from the first with
+  --repeat); an unmatched request gets a 404 JSON error naming its fingerprint.
+  Captured endings are reproduced: a truncated response is cut the same way (FIN or
+  RST), a request never answered is never answered, a response the client gave up on
+  stops where it stopped and stays open. Response bodies are the captured bytes when
+  the capture was made with --bodies all, else SSE events of the captured kinds and
+  sizes in SGLang's format (header x-tracer-playback says "synthesised").
+  GET /health, /v1/models, /metrics, /v1/loads ... answer live, as an idle engine.
+  tracer sim engine --from incident.jsonl --listen 127.0.0.1:30000
+
 The engine prints one line to stderr when ready:  sim engine listening on http://HOST:PORT
 """
 
@@ -132,6 +144,24 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     se.add_argument(
         "--fault", action="append", type=_fault, default=[], metavar="SPEC", help="see below"
     )
+    se.add_argument(
+        "--from",
+        dest="from_capture",
+        metavar="CAPTURE",
+        help="play back the responses of this capture, at their captured pace (see below)",
+    )
+    se.add_argument(
+        "--repeat",
+        action="store_true",
+        help="with --from: serve a fingerprint's captured responses again once all were served",
+    )
+    se.add_argument(
+        "--speed",
+        type=float,
+        default=None,
+        metavar="X",
+        help="with --from: play time X times faster (default 1)",
+    )
 
     sh = sub.add_parser(
         "harness",
@@ -170,30 +200,47 @@ def _engine(args: argparse.Namespace) -> int:
     from .engine import EngineConfig, SimEngine
 
     host, port = args.listen if isinstance(args.listen, tuple) else _hostport(args.listen)
-    engine = SimEngine(
-        EngineConfig(
-            host=host,
-            port=port,
-            model=args.model,
-            tokens=args.tokens,
-            ttft=args.ttft,
-            itl=args.itl,
-            keepalive=args.keepalive,
-            max_running=args.max_running,
-            prefill_per_token=args.prefill_per_token,
-            batch_alpha=args.batch_alpha,
-            decode_log_interval=args.decode_log_interval,
-            idle_refresh=args.idle_refresh,
-            max_total_tokens=args.max_total_tokens,
-            context_length=args.context_length,
-            engine_type=args.engine_type,
-            token_counters=args.token_counters,
-            startup=args.startup,
-            health_timeout=args.health_timeout,
-            early_headers=args.early_headers,
-            faults=list(args.fault),
-        )
+    capture = getattr(args, "from_capture", None)
+    speed = getattr(args, "speed", None)
+    if capture is None and (getattr(args, "repeat", False) or speed is not None):
+        raise ValueError("--repeat and --speed apply only with --from CAPTURE")
+    if capture is not None and args.fault:
+        raise ValueError("--fault does not apply with --from: the capture decides every answer")
+    if speed is not None and not speed > 0:
+        raise ValueError(f"--speed must be above 0 (got {speed})")
+    config = EngineConfig(
+        host=host,
+        port=port,
+        model=args.model,
+        tokens=args.tokens,
+        ttft=args.ttft,
+        itl=args.itl,
+        keepalive=args.keepalive,
+        max_running=args.max_running,
+        prefill_per_token=args.prefill_per_token,
+        batch_alpha=args.batch_alpha,
+        decode_log_interval=args.decode_log_interval,
+        idle_refresh=args.idle_refresh,
+        max_total_tokens=args.max_total_tokens,
+        context_length=args.context_length,
+        engine_type=args.engine_type,
+        token_counters=args.token_counters,
+        startup=args.startup,
+        health_timeout=args.health_timeout,
+        early_headers=args.early_headers,
+        faults=list(args.fault),
     )
+    from .playback import PlaybackEngine, load_playbook
+
+    engine: SimEngine
+    if capture is not None:
+        playbook = load_playbook(capture, repeat=args.repeat)
+        engine = PlaybackEngine(config, playbook, speed=speed or 1.0)
+        print(f"sim engine playing back {playbook.summary()}", file=sys.stderr, flush=True)
+        for note in playbook.skipped:
+            print(f"  skipped {note}", file=sys.stderr)
+    else:
+        engine = SimEngine(config)
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
@@ -209,6 +256,12 @@ def _engine(args: argparse.Namespace) -> int:
                     return
 
     anyio.run(main)
+    if isinstance(engine, PlaybackEngine):
+        print(
+            f"sim engine played back {engine.served} responses; "
+            f"unmatched requests (404): {engine.unmatched}",
+            file=sys.stderr,
+        )
     return 0
 
 
