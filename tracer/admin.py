@@ -2,6 +2,13 @@
 
 A deliberately small HTTP/1.1 server on anyio + h11. Loopback only unless the operator
 says otherwise: it reveals live traffic metadata.
+
+``/status`` is the tap's own view (connections, requests in flight) plus what
+``LiveState``, a tap sink, keeps of the recent past: notable events (stalls, anomalies,
+failed or cut responses, connect failures, faults, probes, marks), the newest engine
+samples, and the target of each request in flight. ``tracer top`` renders it. Every time
+in it is an age in seconds at the moment of the request, so a recorded ``/status``
+renders the same way every time.
 """
 
 from __future__ import annotations
@@ -9,7 +16,9 @@ from __future__ import annotations
 import ipaddress
 import json
 import time
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -116,6 +125,134 @@ class _TapCollector:
         )
 
 
+RECENT = 50  # notable events kept for /status
+
+
+@dataclass(slots=True)
+class _Notable:
+    m: float
+    kind: str
+    conn: int | None
+    seq: int | None
+    detail: str
+
+
+class LiveState:
+    """A tap sink that keeps what ``/status`` shows beyond the tap's own live state.
+
+    Bounded: ``RECENT`` notable events, one sample per engine URL and source, one entry
+    per request in flight. Costs nothing on the body hot path.
+    """
+
+    def __init__(self) -> None:
+        self.recent: deque[_Notable] = deque(maxlen=RECENT)
+        self.samples: dict[tuple[str, str], ev.EngineSample] = {}
+        self.requests: dict[tuple[int, int], tuple[str, str | None]] = {}
+        self._scrape_ok: dict[str, bool] = {}
+
+    def __call__(self, event: ev.Event) -> None:
+        if type(event) is ev.BodyData:
+            return
+        match event:
+            case ev.RequestHead():
+                key = (event.conn, event.seq)
+                self.requests[key] = (f"{event.method} {event.target}"[:200], event.request_id)
+            case ev.ResponseEnd():
+                self.requests.pop((event.conn, event.seq), None)
+                self._response_end(event)
+            case ev.ConnClose():
+                for key in [k for k in self.requests if k[0] == event.conn]:
+                    del self.requests[key]
+            case ev.Stall(phase="start"):
+                detail = f"{event.direction}, no bytes for {event.silent_for:.1f}s"
+                self._note(event, "stall", event.conn, event.seq, detail)
+            case ev.Stall(phase="end"):
+                detail = f"{event.direction} ended after {event.silent_for:.1f}s"
+                self._note(event, "stall_end", event.conn, event.seq, detail)
+            case ev.Anomaly():
+                detail = f"{event.direction} bytes at {event.offset}: {event.error}"
+                self._note(event, "anomaly", event.conn, event.seq, detail)
+            case ev.UpstreamConnect(phase="failed"):
+                detail = f"{event.addr}: {event.error}"
+                self._note(event, "connect_failed", event.conn, None, detail)
+            case ev.FaultInjected():
+                detail = event.spec + (f": {event.detail}" if event.detail else "")
+                self._note(event, "fault", event.conn, event.seq, detail)
+            case ev.Probe() if event.outcome != "skipped":
+                took = f" in {event.latency:.2f}s" if event.latency is not None else ""
+                detail = f"{event.target} {event.url}: {event.outcome}{took}"
+                self._note(event, "probe", event.trigger_conn, event.trigger_seq, detail)
+            case ev.Mark():
+                self._note(event, "mark", None, None, event.note or "hang marked")
+            case ev.EngineSample():
+                self.samples[(event.url, event.source)] = event
+                was = self._scrape_ok.get(event.url, True)
+                self._scrape_ok[event.url] = event.ok
+                if was and not event.ok:
+                    self._note(event, "scrape_failed", None, None, f"{event.url}: {event.error}")
+            case _:
+                pass
+
+    def _note(self, e: ev.Event, kind: str, conn: int | None, seq: int | None, d: str) -> None:
+        self.recent.append(_Notable(e.m, kind, conn, seq, d))
+
+    def _response_end(self, e: ev.ResponseEnd) -> None:
+        status = f"HTTP {e.status}" if e.status is not None else "no status"
+        if e.termination != "complete":
+            why = ", ".join(x for x in (e.close, e.detail) if x)
+            detail = f"{status}, {e.body_bytes} bytes after {e.duration:.1f}s" + (
+                f" ({why})" if why else ""
+            )
+            self._note(e, e.termination, e.conn, e.seq, detail)
+        elif e.status is not None and e.status >= 500:
+            self._note(e, "http_error", e.conn, e.seq, status)
+        elif e.error is not None:
+            self._note(e, "stream_error", e.conn, e.seq, e.error[:200])
+
+    def engines(self, now: float) -> list[dict[str, Any]]:
+        """One row per engine: load from ``/v1/loads`` when there, rates from ``/metrics``."""
+        by_engine: dict[str, dict[str, ev.EngineSample]] = {}
+        for (url, source), sample in self.samples.items():
+            by_engine.setdefault(_engine_base(url), {})[source] = sample
+        rows = []
+        for _, sources in sorted(by_engine.items()):
+            metrics, loads = sources.get("metrics"), sources.get("loads")
+            newest = max(sources.values(), key=lambda s: s.m)
+            row: dict[str, Any] = {
+                "url": (metrics or newest).url,
+                "profile": newest.profile,
+                "ok": newest.ok,
+                "age": round(now - newest.m, 3),
+                "error": newest.error,
+            }
+            for key in ("running", "queued", "token_usage", "gen_throughput", "in_flight"):
+                values = [s.state.get(key) for s in (loads, metrics) if s is not None and s.ok]
+                row[key] = next((v for v in values if v is not None), None)
+            row["tokens_per_s"] = None
+            if metrics is not None and metrics.ok and metrics.deltas and metrics.interval:
+                generated = metrics.deltas.get("generation_tokens_total")
+                if generated is not None:
+                    row["tokens_per_s"] = round(generated / metrics.interval, 1)
+            rows.append(row)
+        return rows
+
+    def recent_events(self, now: float) -> list[dict[str, Any]]:
+        """Newest first."""
+        return [
+            {"age": round(now - n.m, 3), "kind": n.kind, "conn": n.conn, "seq": n.seq}
+            | {"detail": n.detail}
+            for n in reversed(self.recent)
+        ]
+
+
+def _engine_base(url: str) -> str:
+    """The engine a sample belongs to: its URL without the metrics or loads path."""
+    for suffix in ("/metrics", "/v1/loads", "/get_load"):
+        if url.endswith(suffix):
+            return url.removesuffix(suffix)
+    return url
+
+
 class AdminServer:
     def __init__(self, tap: Tap, host: str, port: int) -> None:
         self.tap = tap
@@ -124,6 +261,8 @@ class AdminServer:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_TapCollector(tap))
         self.bound: tuple[str, int] | None = None
+        self.live = LiveState()
+        tap.sinks.append(self.live)
 
     async def serve(
         self, *, task_status: TaskStatus[tuple[str, int]] = anyio.TASK_STATUS_IGNORED
@@ -176,8 +315,36 @@ class AdminServer:
         if path == "/metrics":
             return 200, "text/plain; version=0.0.4; charset=utf-8", generate_latest(self.registry)
         if path == "/status":
-            return 200, "application/json", json.dumps(self.tap.status(), indent=1).encode()
+            return 200, "application/json", json.dumps(self.status(), indent=1).encode()
         return 404, "text/plain", b"not found: try /metrics, /status or POST /mark\n"
+
+    def status(self) -> dict[str, Any]:
+        """The tap's own status, with request targets, totals, engines and recent events."""
+        now = time.monotonic()
+        tap, stats = self.tap, self.tap.stats
+        status = tap.status()
+        in_flight = 0
+        for conn in status["connections"]:
+            for req in conn["in_flight"]:
+                in_flight += 1
+                target, request_id = self.live.requests.get((conn["conn"], req["seq"]), ("", None))
+                req["request"] = target
+                req["request_id"] = request_id
+        status["stall_after"] = tap.config.stall_after
+        status["totals"] = {
+            "connections": stats.connections_total,
+            "connections_open": stats.connections_open,
+            "requests": stats.requests_total,
+            "in_flight": in_flight,
+            "stalls_active": stats.stalls_active,
+            "terminations": dict(sorted(stats.terminations.items())),
+            "stalls": dict(sorted(stats.stalls.items())),
+            "anomalies": stats.anomalies,
+            "upstream_connect_failures": stats.upstream_connect_failures,
+        }
+        status["engines"] = self.live.engines(now)
+        status["recent"] = self.live.recent_events(now)
+        return status
 
     def mark(self, body: bytes) -> dict[str, Any]:
         """Record "the harness was seen hung now" in the capture (analysis: like --hang-at)."""
