@@ -23,6 +23,16 @@ from .render import to_markdown, to_text, write_json
 EXIT_USAGE = 2
 EXIT_INPUT = 3
 
+# `tracer demo --scenario` (tracer/demo.py; named here so that parsing imports no SDK)
+DEMOS = {
+    "hang-on-reuse": "a proxy hangs on the 3rd request of a reused keep-alive connection",
+    "engine-stall": "the engine stops producing tokens mid-stream",
+    "engine-queueing": "slow because busy, not a cold start: more sessions than the engine runs",
+    "buffering-proxy": "a hop holds the stream and releases it at the end",
+    "client-not-reading": "the client stops reading its answer",
+    "healthy": "nothing wrong",
+}
+
 # Commands that live in a module of their own: each has configure(parser) and run(args).
 COMMANDS = {
     "replay": "replay a capture against a target (same connections and timing, or fresh)",
@@ -212,21 +222,18 @@ def _parser() -> argparse.ArgumentParser:
         help="this tap's clients are the harness itself (no proxy in front)",
     )
 
-    from .demo import DEFAULT, SCENARIOS
-
     demo = sub.add_parser(
         "demo",
         help="reproduce the incident (or another scenario) on this machine",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="scenarios:\n"
-        + "\n".join(f"  {name:20} {s.summary}" for name, s in SCENARIOS.items()),
+        epilog="scenarios:\n" + "\n".join(f"  {name:20} {text}" for name, text in DEMOS.items()),
     )
     demo.add_argument("--out", default="demo-out", metavar="DIR")
     demo.add_argument(
         "--scenario",
-        default=DEFAULT,
-        choices=list(SCENARIOS),
-        help=f"which incident to reproduce (default {DEFAULT}; others go to DIR/NAME/)",
+        default="hang-on-reuse",
+        choices=list(DEMOS),
+        help="which incident to reproduce (default hang-on-reuse; others go to DIR/NAME/)",
     )
 
     for name, help_text in COMMANDS.items():

@@ -236,7 +236,7 @@ async def replay_differential(d: Demo, capture: Path, target: str) -> None:
         rows = doc.get("requests", [])
         outcomes: dict[str, int] = {}
         for r in rows:
-            key = str(r.get("replay", {}).get("termination", r.get("termination", "?")))
+            key = str(r.get("replay", {}).get("outcome", "?"))
             outcomes[key] = outcomes.get(key, 0) + 1
         shown = ", ".join(f"{n} {k}" for k, n in sorted(outcomes.items()))
         verdict = doc.get("verdict", {})
