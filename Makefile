@@ -33,6 +33,8 @@ bench: $(STAMP)
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light wrk >/dev/null)
 	$(BIN)/python -m bench.run
 	$(BIN)/python -m bench.analysis
+	$(BIN)/python -m bench.replay_fidelity
+	$(BIN)/python -m bench.loadgen_ceiling
 
 clean:
 	rm -rf $(VENV) demo-out bench-out
