@@ -28,17 +28,10 @@ import anyio
 import httpx
 
 from bench.procs import cpu_seconds, free_port, spawn, wait_port
-from tracer.bench import (
-    BenchConfig,
-    Reporter,
-    RequestSpec,
-    Sample,
-    SSEReader,
-    Target,
-    run_level,
-    synthetic_mix,
-)
+from tracer.bench import BenchConfig, Reporter, run_level
 from tracer.cli import loop_options
+from tracer.streamclient import Sample, SSEReader, Target
+from tracer.workload import RequestSpec, synthetic_mix
 
 CLIENT_CORE, ENGINE_CORE = 0, 1
 

@@ -17,8 +17,9 @@ from tests.conftest import running_tap, wait_until
 from tests.test_sim_engine import engine_running
 from tracer import cli
 from tracer import events as ev
-from tracer.bench import Sample, check_idle, figures
+from tracer.bench import check_idle, figures
 from tracer.sim.engine import Fault, SimEngine
+from tracer.streamclient import Sample
 
 pytestmark = pytest.mark.anyio
 
