@@ -1,0 +1,141 @@
+"""nginx from Debian as a real third-party proxy: the stale-connection race.
+
+A short ``keepalive_timeout`` and latency between nginx and the tap in front of it (a
+delay line, since this kernel has no netem qdisc): nginx closes an idle keep-alive
+connection while a request is already on its way to it — the proxy's fault, not the
+client's (which would be writing after the close reached it; tests/test_attribution_e2e).
+
+(``tcp_nodelay off`` was tried for delivery coalescing: on loopback Linux leaves the
+delayed-ACK "pingpong" mode after the first delayed ACK, so Nagle holds almost nothing
+and nginx does not bunch the events; that kind is tested from recorded timings.)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from .delayline import delay_line
+from .test_cli_proxy import _free_port, tracer_proxy
+from .test_flagship_incident import analyze
+from .test_sim_engine import engine_running
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nginx]
+
+NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+BODY: dict[str, Any] = {
+    "model": "sim-model",
+    "messages": [{"role": "user", "content": "hi"}],
+    "stream": True,
+}
+
+
+@asynccontextmanager
+async def nginx(tmp_path: Path, upstream: str, directives: str) -> AsyncIterator[str]:
+    """nginx on loopback proxying to ``upstream``; yields its URL."""
+    if not Path(NGINX).exists():
+        pytest.skip("nginx is not installed (.ci/run installs it)")
+    port = await _free_port()
+    prefix = tmp_path / "nginx"
+    (prefix / "logs").mkdir(parents=True)
+    conf = prefix / "nginx.conf"
+    temps = " ".join(
+        f"{name}_temp_path {prefix}/{name};"
+        for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
+    conf.write_text(
+        f"""daemon off; worker_processes 1; pid {prefix}/nginx.pid;
+error_log {prefix}/logs/error.log info;
+events {{ worker_connections 64; }}
+http {{
+  access_log off; {temps}
+  server {{
+    listen 127.0.0.1:{port};
+    {directives}
+    location / {{
+      proxy_pass {upstream};
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }}
+  }}
+}}
+"""
+    )
+    process = await anyio.open_process([NGINX, "-p", str(prefix), "-c", str(conf)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient() as probe:
+
+            async def up() -> bool:
+                try:
+                    await probe.get(url + "/health")
+                    return True
+                except httpx.HTTPError:
+                    return False
+
+            with anyio.fail_after(10):
+                while not await up():
+                    await anyio.sleep(0.05)  # (polls with a deadline)
+        yield url
+    finally:
+        process.terminate()
+        with anyio.CancelScope(shield=True):
+            await process.wait()
+            await process.aclose()
+
+
+async def test_nginx_closing_an_idle_connection_under_a_request_is_the_proxy(
+    tmp_path: Path,
+) -> None:
+    """nginx keeps idle client connections 2 s (keepalive_timeout 2s); 0.3 s of latency
+    lies between it and the tap in front, so nginx's idle clock starts 0.3 s before the
+    client has its answer and nginx closes 1.7 s after the client has it; its FIN reaches
+    the tap 0.3 s later still. The client's second request leaves in between (1.85 s):
+    the tap forwards it onto a connection nginx no longer has."""
+    front = tmp_path / "front.jsonl"
+    async with engine_running(ttft=0.0, itl=0.001) as sim:
+        async with nginx(tmp_path, sim.url, "keepalive_timeout 2s;") as hop:
+            async with delay_line(hop, 0.3) as far_hop:
+                async with tracer_proxy(
+                    "proxy", "--listen", "127.0.0.1:0", "--upstream", far_hop,
+                    "--tap", "front", "--capture", str(front), "--stall-after", "5",
+                ) as front_tap:  # fmt: skip
+                    async with await anyio.connect_tcp("127.0.0.1", front_tap.port) as s:
+                        payload = json.dumps({**BODY, "stream": False}).encode()
+                        request = (
+                            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                            % (len(payload), payload)
+                        )
+                        await s.send(request)
+                        got = b""
+                        with anyio.fail_after(5):
+                            while b"}" not in got.partition(b"\r\n\r\n")[2]:
+                                got += await s.receive()
+                        assert got.startswith(b"HTTP/1.1 200"), got
+                        answered = anyio.current_time()
+                        await anyio.sleep_until(answered + 1.85)  # the client's think time
+                        await s.send(request)
+                        rest = b""
+                        with anyio.fail_after(5):
+                            try:
+                                while True:
+                                    rest += await s.receive()
+                            except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                                pass
+                    assert not rest.startswith(b"HTTP/1.1 200"), rest
+    result = await analyze(str(front))
+    second = [r for r in result["requests"] if r["seq"] == 2]
+    assert second and second[0]["termination"] == "truncated", result["requests"]
+    kinds = {(f["party"], f["kind"]) for f in result["findings"]}
+    assert ("proxy", "stale_connection_race") in kinds, result["findings"]
+    assert result["verdict"]["party"] == "proxy"
