@@ -76,6 +76,8 @@ def unsupported(fault: Fault) -> str | None:
     """Why mitmproxy cannot inject this fault as ``tracer proxy`` does, or None."""
     if fault.name == "close-idle-after":
         return "mitmproxy has no hook on an idle connection; use tracer proxy --fault"
+    if fault.name == "coalesce":
+        return "mitmproxy cannot hold a streamed body's pieces for a time; use tracer proxy --fault"
     if fault.name == "stall-after-events" and not math.isinf(fault.seconds):
         return (
             "mitmproxy cannot pause inside a streamed body: only a stall for good "

@@ -67,6 +67,7 @@ GET = b"GET /v1/models HTTP/1.1\r\nhost: h\r\n\r\n"
         ("drop-done", {}),
         ("buffer-stream", {}),
         ("close-idle-after:4", {"seconds": 4.0}),
+        ("coalesce:0.04", {"seconds": 0.04}),
         ("  Status:429  ", {"status": 429}),
     ],
 )
@@ -481,6 +482,20 @@ def test_buffer_stream_releases_at_the_end_or_at_eof() -> None:
         ("up", POST),
         ("fault", "buffer-stream", 1),
         ("down", cut),
+    ]
+
+
+def test_coalesce_holds_after_each_chunk_and_not_after_the_end() -> None:
+    hold = Hold(0.04, merge=True)
+    chunks = [_chunk(e) for e in EVENTS]
+    assert same_for_any_cut(["coalesce:0.04"], [("c", POST), ("u", STREAM)]) == [
+        ("up", POST),
+        ("down", SSE_HEAD),
+        ("fault", "coalesce", 1),
+        ("down", chunks[0]),
+        hold,
+        *[x for c in chunks[1:] for x in (("down", c), hold)],
+        ("down", b"0\r\n\r\n"),
     ]
 
 

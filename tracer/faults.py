@@ -24,7 +24,8 @@ injected fault for an external one.
   (head, body framing with the position of every chunk, SSE event boundaries when a
   fault needs them). A response no fault applies to is delivered byte for byte; one with
   faults goes through a short pipeline of stages, one per fault (``drop-done``,
-  ``stall``/``truncate-after-events``, ``buffer-stream``, ``delay-first-byte``), each
+  ``stall``/``truncate-after-events``, ``buffer-stream``, ``coalesce``,
+  ``delay-first-byte``), each
   taking and giving segments of raw bytes annotated with where heads, chunks and events
   end. Of these only ``drop-done`` changes bytes: it removes the ``[DONE]`` event and
   re-frames the chunk that held it, so the body still ends cleanly.
@@ -155,6 +156,14 @@ KINDS: dict[str, Kind] = {
             "buffer-stream@path=/v1/chat/completions",
         ),
         Kind(
+            "coalesce",
+            "coalesce:S",
+            "response",
+            "deliver the stream in bunches: after each write, hold what follows S seconds "
+            "and release it at once (a hop without TCP_NODELAY meeting delayed ACKs: 0.04)",
+            "coalesce:0.04",
+        ),
+        Kind(
             "close-idle-after",
             "close-idle-after:S",
             "idle",
@@ -214,7 +223,7 @@ class Fault:
     spec: str  # the text it was parsed from, as recorded in ``fault`` records
     rule: Rule = Rule()
     count: int = 0  # hang-on-reuse: N; *-after-events: K
-    seconds: float = 0.0  # delay-first-byte, stall-after-events (inf: for good), close-idle-after
+    seconds: float = 0.0  # delay-first-byte, stall-after-events (inf), close-idle-after, coalesce
     how: Close = "fin"  # truncate-after-events
     status: int = 0  # status
 
@@ -243,6 +252,7 @@ def parse_fault(text: str) -> Fault:
         "hang-on-reuse": (1, 1),
         "status": (1, 1),
         "delay-first-byte": (1, 1),
+        "coalesce": (1, 1),
         "stall-after-events": (2, 2),
         "truncate-after-events": (1, 2),
         "close-idle-after": (1, 1),
@@ -263,7 +273,7 @@ def parse_fault(text: str) -> Fault:
         return replace(fault, status=code)
     if name == "delay-first-byte":
         return replace(fault, seconds=_seconds(spec, "S", args[0], finite=True))
-    if name == "close-idle-after":
+    if name in ("close-idle-after", "coalesce"):
         seconds = _seconds(spec, "S", args[0], finite=True)
         if seconds <= 0:
             raise FaultSpecError(f"{spec!r}: S must be more than 0 seconds")
@@ -470,9 +480,14 @@ class Deliver:
 
 @dataclass(frozen=True, slots=True)
 class Hold:
-    """Deliver nothing more to the client for this long (inf: for good)."""
+    """Deliver nothing more to the client for this long (inf: for good).
+
+    ``merge``: a coalescing hold; when it ends, what queued behind it goes out at once, up
+    to the last merging hold queued meanwhile (the holds in between are dropped).
+    """
 
     seconds: float
+    merge: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -735,6 +750,34 @@ class _DelayFirst(_Stage):
         return [record, Hold(seconds), *items]
 
 
+class _Coalesce(_Stage):
+    """coalesce: a merging hold after each write unit of the body (see ``Hold.merge``).
+
+    A write unit is a whole chunk (its CRLF) of a chunked body, else an SSE event: what an
+    upstream writes at once, and what Nagle holds whole.
+    """
+
+    fired = False
+    chunked = True
+
+    def head(self, framing: Framing, sse: bool) -> None:
+        self.chunked = framing == "chunked"
+
+    def push(self, items: list[Item]) -> list[Item]:
+        out: list[Item] = []
+        for item in items:
+            if not self.fired and isinstance(item, Seg) and item.kind not in (HEAD, END):
+                self.fired = True  # recorded before the first byte of the body
+                seconds = self.fault.seconds
+                out.append(self.injected(f"response delivered in bunches: held {seconds:g}s"))
+            out.append(item)
+            if not isinstance(item, Seg) or item.last:
+                continue
+            if (item.kind == CRLF and item.chunk_end) if self.chunked else item.event:
+                out.append(Hold(self.fault.seconds, merge=True))
+        return out
+
+
 class _Buffer(_Stage):
     def __init__(self, fault: Fault, seq: int) -> None:
         super().__init__(fault, seq)
@@ -904,6 +947,7 @@ _STAGE_ORDER = (
     ("stall-after-events", _AfterEvents),
     ("truncate-after-events", _AfterEvents),
     ("buffer-stream", _Buffer),
+    ("coalesce", _Coalesce),
     ("delay-first-byte", _DelayFirst),
 )
 

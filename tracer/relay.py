@@ -805,6 +805,8 @@ class _FaultRelay(_Relay):
                     self.client.write(item.data)
                 self._observe(self.obs.upstream_data, item.data, time.monotonic())
             elif isinstance(item, Hold):
+                if item.merge and any(isinstance(i, Hold) and i.merge for i in queue):
+                    continue  # what queued behind it goes out with this bunch
                 self._holding = True
                 if not math.isinf(item.seconds):
                     loop = asyncio.get_running_loop()
