@@ -1,16 +1,18 @@
-"""Analysis rate and peak memory on a generated capture of a million-plus events.
+"""Analysis rate and peak memory on generated captures of a million-plus events.
 
-`python -m bench.analysis [--requests N]` writes a synthetic capture (keep-alive
-connections of 4 requests, SSE streams batched the way the tap batches them, engine
-samples every second, a few stalls) and times `tracer analyze --format json` on it as
-a subprocess: events/s and the peak RSS of the analysing process.
+`python -m bench.analysis [--requests N] [--scale K]` writes a synthetic capture of K*N
+requests (keep-alive connections of 4 requests, SSE streams batched the way the tap
+batches them, engine samples every second, a stall every 1000 requests) and a copy of
+its first N requests, and times `tracer analyze --format json` on each as a subprocess:
+events/s and the peak RSS of the analysing process (its own, from wait4). Memory bounded
+by what is in flight shows as about the same peak for both sizes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
 import subprocess
 import sys
 import time
@@ -21,10 +23,12 @@ import orjson
 from tracer import events as ev
 
 
-def generate(path: Path, requests: int) -> int:
-    """Write the capture; returns the number of records."""
+def generate(path: Path, requests: int, *, split: int = 0) -> tuple[int, tuple[int, int]]:
+    """Write the capture: the number of records, and (records, bytes) after the first
+    ``split`` requests (their connections closed: a whole capture on its own)."""
     t0 = 1_800_000_000.0
     n = 0
+    cut = (0, 0)
     with path.open("wb") as fh:
 
         def put(event: ev.Event) -> None:
@@ -170,49 +174,81 @@ def generate(path: Path, requests: int) -> int:
                     )
                 )
             t += 0.1
-    return n
+            if i + 1 == split:
+                cut = (n, fh.tell())
+    return n, cut
 
 
-def measure(path: Path) -> dict[str, float]:
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+def measure(*command: str) -> dict[str, float]:
+    """Run ``python COMMAND...`` in a subprocess: its wall time, CPU time and peak RSS
+    (its own, from wait4)."""
     start = time.perf_counter()
-    subprocess.run(
-        [sys.executable, "-m", "tracer", "analyze", str(path), "--format", "json"],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
+    proc = subprocess.Popen([sys.executable, *command], stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
     elapsed = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench.analysis: {' '.join(command)} exited {proc.returncode}")
     return {
         "seconds": elapsed,
-        "cpu": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
-        "peak_rss_mib": after.ru_maxrss / 1024,
+        "cpu": usage.ru_utime + usage.ru_stime,
+        "peak_rss_mib": usage.ru_maxrss / 1024,
     }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--requests", type=int, default=130_000)
+    parser.add_argument(
+        "--requests", type=int, default=130_000, help="requests in the first capture"
+    )
+    parser.add_argument(
+        "--scale", type=int, default=2, help="the second capture is this many times bigger"
+    )
     parser.add_argument("--out", default="bench-out")
     args = parser.parse_args()
+    if args.requests < 1 or args.scale < 2:
+        parser.error("--requests must be at least 1 and --scale at least 2")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "analysis-capture.jsonl"
-    records = generate(path, args.requests)
-    size = path.stat().st_size
-    m = measure(path)
-    result = {
-        "records": records,
-        "capture_mib": size / 2**20,
-        **m,
-        "events_per_s": records / m["seconds"],
-    }
+    big = out / "analysis-capture-big.jsonl"
+    small = out / "analysis-capture.jsonl"
+    try:
+        records, cut = generate(big, args.requests * args.scale, split=args.requests)
+        with big.open("rb") as src, small.open("wb") as dst:  # the first N requests
+            left = cut[1]
+            while left:
+                left -= dst.write(src.read(min(left, 1 << 20)))
+        baseline = measure("-c", "import tracer.cli")
+        runs = []
+        for path, count in ((small, cut[0]), (big, records)):
+            m = measure("-m", "tracer", "analyze", str(path), "--format", "json")
+            runs.append(
+                {
+                    "records": count,
+                    "capture_mib": path.stat().st_size / 2**20,
+                    **m,
+                    "events_per_s": count / m["seconds"],
+                }
+            )
+    finally:
+        small.unlink(missing_ok=True)
+        big.unlink(missing_ok=True)
+    for run in runs:
+        print(
+            f"analysis: {run['records']:,} records ({run['capture_mib']:.0f} MiB) in "
+            f"{run['seconds']:.1f} s = {run['events_per_s']:,.0f} events/s; "
+            f"peak RSS {run['peak_rss_mib']:.0f} MiB"
+        )
+    first, second = runs
     print(
-        f"analysis: {records:,} records ({size / 2**20:.0f} MiB) in {m['seconds']:.1f} s "
-        f"= {records / m['seconds']:,.0f} events/s; peak RSS {m['peak_rss_mib']:.0f} MiB"
+        f"analysis memory: peak {first['peak_rss_mib']:.0f} MiB at {first['records'] / 1e6:.1f}M "
+        f"events, {second['peak_rss_mib']:.0f} MiB at {second['records'] / 1e6:.1f}M "
+        f"(x{second['peak_rss_mib'] / first['peak_rss_mib']:.2f} for x"
+        f"{second['records'] / first['records']:.1f} the events; the interpreter and "
+        f"modules alone: {baseline['peak_rss_mib']:.0f} MiB)"
     )
+    result = {"runs": runs, "baseline_rss_mib": baseline["peak_rss_mib"]}
     (out / "analysis.json").write_text(json.dumps(result, indent=1))
-    path.unlink()
     return 0
 
 

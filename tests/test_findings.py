@@ -370,3 +370,33 @@ def test_two_taps_join_by_fingerprint_without_request_ids() -> None:
     front.stall(1, 3, 3.0, None)
     v = analyze(front, back)["verdict"]
     assert (v["party"], v["kind"]) == ("proxy", "proxy_hung_on_reuse")
+
+
+def _bunched(cap: Cap, t: float, *, bunched: bool) -> None:
+    cap.exchange(1, 1, t, events=0)
+    sse = []
+    for bunch in range(6):  # 6 bunches of 4 events, 40 ms apart; or 24 events 10 ms apart
+        sse += [[bunch * 0.040, 100, "content"]] * 4 if bunched else []
+    sse = sse or [[i * 0.010, 100, "content"] for i in range(24)]
+    cap._e(ev.BodyData, t + 0.02, conn=1, seq=1, size=2400, reads=[], sse=sse)
+
+
+def test_coalesced_at_one_tap_and_steady_behind_it_names_the_hop_between() -> None:
+    front, back = Cap("front", upstream=PROXY), Cap("back", upstream=ROUTER)
+    _bunched(front, 0.0, bunched=True)
+    _bunched(back, 0.002, bunched=False)
+    result = analyze(front, back)
+    f = next(f for f in result["findings"] if f["kind"] == "delivery_coalesced")
+    assert f["party"] == "proxy" and f["confidence"] == "high"
+    assert "the hop between tap front and tap back" in f["summary"]
+    assert f["requests"] == ["front/1/1", "back/1/1"]
+    assert {r["party"] for r in f["ruled_out"]} == {"client", "engine"}
+    # bunched at both taps: the bunching starts behind the back tap, not between them
+    both = analyze(front, _bunched_cap("back", 0.002))
+    assert all("between tap" not in f["summary"] for f in both["findings"])
+
+
+def _bunched_cap(tap: str, t: float) -> Cap:
+    cap = Cap(tap, upstream=ROUTER)
+    _bunched(cap, t, bunched=True)
+    return cap

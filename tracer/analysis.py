@@ -3,21 +3,37 @@
 ``Summary.feed(event)`` accepts events in capture order (several captures one after the
 other); ``Summary.result()`` gives the rows, the evidence timelines (engine samples,
 probes, health, injected faults, hang marks) and the findings of ``tracer/findings.py``.
-Nothing here reads files or clocks: the same events always give the same output. Memory
-holds one row per request and connection plus per-request statistics of event timing,
-never the events themselves. Schema: ``captures/ANALYSIS.md``.
+Nothing here reads files or clocks: the same events always give the same output.
+
+Memory is bounded by what is in flight, not by the capture's size: a request's row stays
+in memory while the request is open and for ``recent`` finished requests after it (late
+events, e.g. a stall's end after the response's end, still land on it); then it goes to a
+``SortedSpool`` (sorted runs on disk once more than ``spill_rows`` are waiting) and its
+key to a bounded list of finished keys, so that an event arriving later still is counted
+(``late_events``) and ignored rather than starting a ghost row. Connections likewise,
+from their close. Engine and health samples go to a ``ChunkLog`` (chunks on disk, read
+back by time window). The tables are read back in table order, merged, one row at a
+time. Schema and memory model: ``captures/ANALYSIS.md``.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import heapq
+import operator
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from . import events as ev
+from .spill import ChunkLog, SortedSpool
 
 SCHEMA = "tracer.analysis/2"
 ZERO_GAP = 0.001  # events closer than this arrived together
 BUNCH_GAP = (0.030, 0.060)  # the delayed-ACK hold of a hop without TCP_NODELAY
+SPILL_ROWS = 4096  # finished rows held in memory before a sorted run goes to disk
+RECENT_ROWS = 1024  # finished rows that late events can still update
+FINISHED_KEYS = 16384  # keys of rows written out, remembered to ignore late events
 
 
 @dataclass(slots=True)
@@ -94,23 +110,242 @@ class ConnectionRow:
     anomalies: list[str] = field(default_factory=list)
 
 
-@dataclass
-class Summary:
-    """Fold of a capture into rows; memory holds the rows, not the events."""
+RequestKey = tuple[str, int, int]
+ConnKey = tuple[str, int]
 
-    connections: dict[tuple[str, int], ConnectionRow] = field(default_factory=dict)
-    requests: dict[tuple[str, int, int], RequestRow] = field(default_factory=dict)
-    taps: dict[str, dict[str, Any]] = field(default_factory=dict)
-    capture_losses: int = 0
-    events: int = 0
-    first_t: float | None = None
-    last_t: float | None = None
-    engine: list[dict[str, Any]] = field(default_factory=list)  # engine samples, compact
-    probes: list[dict[str, Any]] = field(default_factory=list)
-    health: list[dict[str, Any]] = field(default_factory=list)
-    faults: list[dict[str, Any]] = field(default_factory=list)
-    marks: list[float] = field(default_factory=list)  # "the harness was seen hung" times
-    _closing: dict[tuple[str, int], bool] = field(default_factory=dict)
+
+def request_order(r: RequestRow) -> tuple[str, int, int]:
+    """The requests table's order."""
+    return (r.tap, r.conn, r.seq)
+
+
+def connection_order(c: ConnectionRow) -> tuple[str, float, int]:
+    """The connections table's order."""
+    return (c.tap, c.opened, c.conn)
+
+
+_REQUEST_VALUES = operator.attrgetter(*(f.name for f in fields(RequestRow)))
+_CONNECTION_VALUES = operator.attrgetter(*(f.name for f in fields(ConnectionRow)))
+
+
+def _request_from(values: list[Any]) -> RequestRow:
+    return RequestRow(*values)
+
+
+def _connection_from(values: list[Any]) -> ConnectionRow:
+    return ConnectionRow(*values)
+
+
+class Rows[T]:
+    """A table's rows in table order, read again at every iteration; ``len()`` counts them.
+
+    What ``Summary.result()`` gives as ``requests`` and ``connections``: iterate it (as
+    often as needed), never index it.
+    """
+
+    def __init__(self, source: Callable[[], Iterator[T]], count: int) -> None:
+        self._source, self._count = source, count
+
+    def __iter__(self) -> Iterator[T]:
+        return self._source()
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __bool__(self) -> bool:
+        return self._count > 0
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to rows or a list with the same items in the same order (streamed)."""
+        if not isinstance(other, Rows | list):
+            return NotImplemented
+        if len(self) != len(other):
+            return False
+        return all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"<Rows: {self._count}>"
+
+
+class Table[K, T]:
+    """One table of a ``Summary``: the rows still in memory and those written out.
+
+    Read-only and mapping-like (``values()``, ``items()``, ``len()``, ``get(key)``); the
+    rows come in table order.
+    """
+
+    def __init__(
+        self,
+        key: Callable[[T], K],
+        order: Callable[[T], Any],
+        encode: Callable[[T], Any],
+        decode: Callable[[list[Any]], T],
+        *,
+        spill: int,
+        recent: int,
+        remember: int,
+    ) -> None:
+        self._key, self._order = key, order
+        self.open: dict[K, T] = {}
+        self.recent: OrderedDict[K, T] = OrderedDict()  # finished, still updatable
+        self.finished: OrderedDict[K, None] = OrderedDict()  # keys of rows written out
+        self.store: SortedSpool[T] = SortedSpool(order, encode, decode, limit=spill)
+        self._recent_limit, self._remember = recent, remember
+
+    def lookup(self, key: K) -> tuple[T | None, bool]:
+        """The row if it is in memory; else whether the key is one of a row written out."""
+        row = self.open.get(key)
+        if row is None:
+            row = self.recent.get(key)
+        return row, row is None and key in self.finished
+
+    def start(self, key: K, row: T) -> None:
+        """A new row; it replaces one with the same key that is still in memory."""
+        self.open.pop(key, None)
+        self.recent.pop(key, None)
+        self.finished.pop(key, None)
+        self.open[key] = row
+
+    def finish(self, key: K) -> T | None:
+        """The row is complete; it stays updatable until ``recent`` more have finished.
+
+        Returns a row written out to make room, if one was.
+        """
+        row = self.open.pop(key, None)
+        if row is None:
+            return None
+        self.recent[key] = row
+        if len(self.recent) <= self._recent_limit:
+            return None
+        old_key, old = self.recent.popitem(last=False)
+        self.store.add(old)
+        self.finished[old_key] = None
+        if len(self.finished) > self._remember:
+            self.finished.popitem(last=False)
+        return old
+
+    def live(self) -> list[T]:
+        return [*self.open.values(), *self.recent.values()]
+
+    def __len__(self) -> int:
+        return len(self.store) + len(self.open) + len(self.recent)
+
+    def __iter__(self) -> Iterator[K]:
+        return (self._key(row) for row in self.values())
+
+    def values(self) -> Rows[T]:
+        def rows() -> Iterator[T]:
+            live = sorted(self.live(), key=self._order)
+            if not len(self.store):
+                return iter(live)
+            return heapq.merge(self.store, live, key=self._order)
+
+        return Rows(rows, len(self))
+
+    def items(self) -> Rows[tuple[K, T]]:
+        return Rows(lambda: ((self._key(r), r) for r in self.values()), len(self))
+
+    def get(self, key: K) -> T | None:
+        """The row with this key (a scan of the rows written out when it is not in memory)."""
+        row, _ = self.lookup(key)
+        if row is None:
+            row = next((r for r in self.store if self._key(r) == key), None)
+        return row
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class _Totals:
+    """Counts over finished-for-good requests, kept as they are written out."""
+
+    def __init__(self) -> None:
+        self.reused = 0
+        self.stalls = 0
+        self.terminations: Counter[str] = Counter()
+
+    def add(self, r: RequestRow) -> None:
+        self.reused += r.reused
+        self.stalls += len(r.stalls)
+        self.terminations[r.termination] += 1
+
+
+class Summary:
+    """Fold of a capture into rows; memory holds the open rows, not the events.
+
+    ``spill_rows``, ``recent_rows``, ``finished_keys`` and ``spill_samples`` set the
+    memory model's bounds (see the module docstring); the output does not depend on them
+    as long as no event arrives more than ``recent_rows`` finished requests late.
+    """
+
+    def __init__(
+        self,
+        *,
+        spill_rows: int = SPILL_ROWS,
+        recent_rows: int = RECENT_ROWS,
+        finished_keys: int = FINISHED_KEYS,
+        spill_samples: int = 512,
+    ) -> None:
+        if recent_rows < 0 or finished_keys < 0:
+            raise ValueError("recent_rows and finished_keys must not be negative")
+        bounds = {"spill": spill_rows, "recent": recent_rows, "remember": finished_keys}
+        self.requests: Table[RequestKey, RequestRow] = Table(
+            request_order, request_order, _REQUEST_VALUES, _request_from, **bounds
+        )
+        self.connections: Table[ConnKey, ConnectionRow] = Table(
+            lambda c: (c.tap, c.conn),
+            connection_order,
+            _CONNECTION_VALUES,
+            _connection_from,
+            **bounds,
+        )
+        self.taps: dict[str, dict[str, Any]] = {}
+        self.capture_losses = 0
+        self.events = 0
+        self.late_events = 0  # events for a row already written out: counted, ignored
+        self.first_t: float | None = None
+        self.last_t: float | None = None
+        self.engine_samples = ChunkLog(limit=spill_samples)  # compact records
+        self.health_samples = ChunkLog(limit=spill_samples)
+        self.probes: list[dict[str, Any]] = []
+        self.faults: list[dict[str, Any]] = []
+        self.marks: list[float] = []  # "the harness was seen hung" times
+        self.engine_urls: set[str] = set()
+        self.health_urls: set[str] = set()
+        self.request_taps: set[str] = set()  # taps that parsed at least one request
+        self._totals = _Totals()
+        self._closing: dict[ConnKey, bool] = {}
+        self._engine_list: list[dict[str, Any]] | None = None
+        self._health_list: list[dict[str, Any]] | None = None
+
+    @property
+    def engine(self) -> list[dict[str, Any]]:
+        """All engine samples as one list (in memory: for consumers that need a list)."""
+        if self._engine_list is None or len(self._engine_list) != len(self.engine_samples):
+            self._engine_list = list(self.engine_samples)
+        return self._engine_list
+
+    @property
+    def health(self) -> list[dict[str, Any]]:
+        """All health samples as one list (in memory)."""
+        if self._health_list is None or len(self._health_list) != len(self.health_samples):
+            self._health_list = list(self.health_samples)
+        return self._health_list
+
+    def close(self) -> None:
+        """Free the temporary files now (they go away with the process anyway)."""
+        self.requests.close()
+        self.connections.close()
+        self.engine_samples.close()
+        self.health_samples.close()
+
+    def __enter__(self) -> Summary:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def feed(self, event: ev.Event) -> None:
         self.events += 1
@@ -119,34 +354,101 @@ class Summary:
         if self.last_t is None or event.t > self.last_t:
             self.last_t = event.t
         match event:
-            case ev.CaptureStart():
-                self.taps.setdefault(
-                    event.tap,
-                    {
-                        "tap": event.tap,
-                        "kind": event.kind,
-                        "listen": event.listen,
-                        "upstream": event.upstream,
-                        "tracer_version": event.tracer_version,
-                        "started": event.t,
-                        "ended": None,
-                        "dropped": 0,
-                    },
+            case ev.BodyData():
+                if event.sse:
+                    self._event_times(event)
+            case ev.RequestHead():
+                key = (event.tap, event.conn, event.seq)
+                ckey = (event.tap, event.conn)
+                self.requests.start(
+                    key,
+                    RequestRow(
+                        id=f"{event.tap}/{event.conn}/{event.seq}",
+                        tap=event.tap,
+                        conn=event.conn,
+                        seq=event.seq,
+                        reused=event.seq > 1,
+                        idle_before=event.idle_before,
+                        start=event.t,
+                        method=event.method,
+                        target=event.target,
+                        request_id=event.request_id,
+                        pipelined=event.pipelined,
+                        after_close=self._closing.get(ckey, False),
+                    ),
                 )
-            case ev.CaptureEnd():
-                tap = self.taps.get(event.tap)
-                if tap is not None:
-                    tap["ended"] = event.t
-                    tap["dropped"] = event.dropped
-            case ev.CaptureLoss():
-                self.capture_losses += event.dropped
+                self.request_taps.add(event.tap)
+                conn = self._conn(event.tap, event.conn)
+                if conn is not None:
+                    conn.requests = max(conn.requests, event.seq)
+            case ev.RequestEnd():
+                req, written = self.requests.lookup((event.tap, event.conn, event.seq))
+                self.late_events += written
+                if req is not None:
+                    req.request_bytes = event.body_bytes
+                    req.request_complete = event.complete
+                    req.body_kept = event.body_kept
+                    req.model = event.model
+                    req.stream = event.stream
+                    req.max_tokens = event.max_tokens
+                    req.messages = event.messages
+                    req.body_sha256 = event.body_sha256
+            case ev.ResponseHead():
+                req = self._request(event.tap, event.conn, event.seq, event.t)
+                if req is not None:
+                    req.status = event.status
+                    req.sse = event.sse
+                    req.ttfb = event.ttfb
+                    req.by_tracer = event.by_tracer
+                    req.keep_alive = event.keep_alive
+                if not event.keep_alive:
+                    self._closing[(event.tap, event.conn)] = True
+            case ev.ResponseEnd():
+                req = self._request(event.tap, event.conn, event.seq, event.t)
+                if req is not None:
+                    req.termination = event.termination
+                    req.status = event.status if event.status is not None else req.status
+                    req.duration = event.duration
+                    req.first_token = event.first_token
+                    req.max_gap = event.max_gap
+                    req.response_bytes = event.body_bytes
+                    req.events = event.events
+                    req.comments = event.comments
+                    req.done = event.done
+                    req.finish_reason = event.finish_reason
+                    req.usage = event.usage
+                    req.error = event.error
+                    req.close = event.close
+                    req.mid_event = event.mid_event
+                    req.detail = event.detail
+                    req.end = event.t
+                    self._finish_request((event.tap, event.conn, event.seq))
+            case ev.Stall():
+                req = self._request(event.tap, event.conn, event.seq, event.t)
+                if req is None:
+                    pass  # late: counted
+                elif event.phase == "start":
+                    req.stalls.append(
+                        {
+                            "start": event.t - event.silent_for,
+                            "direction": event.direction,
+                            "end": None,
+                            "duration": None,
+                        }
+                    )
+                elif req.stalls and req.stalls[-1]["end"] is None:
+                    req.stalls[-1]["end"] = event.t
+                    req.stalls[-1]["duration"] = event.silent_for
             case ev.ConnOpen():
-                self.connections[(event.tap, event.conn)] = ConnectionRow(
-                    id=f"{event.tap}/{event.conn}",
-                    tap=event.tap,
-                    conn=event.conn,
-                    peer=event.peer,
-                    opened=event.t,
+                self.connections.start(
+                    (event.tap, event.conn),
+                    ConnectionRow(
+                        id=f"{event.tap}/{event.conn}",
+                        tap=event.tap,
+                        conn=event.conn,
+                        peer=event.peer,
+                        opened=event.t,
+                    ),
                 )
             case ev.UpstreamConnect():
                 conn = self._conn(event.tap, event.conn)
@@ -169,82 +471,10 @@ class Summary:
                     conn.bytes_from_client = event.bytes_from_client
                     conn.bytes_from_upstream = event.bytes_from_upstream
                     conn.requests = event.requests
-            case ev.RequestHead():
-                key = (event.tap, event.conn, event.seq)
-                self.requests[key] = RequestRow(
-                    id=f"{event.tap}/{event.conn}/{event.seq}",
-                    tap=event.tap,
-                    conn=event.conn,
-                    seq=event.seq,
-                    reused=event.seq > 1,
-                    idle_before=event.idle_before,
-                    start=event.t,
-                    method=event.method,
-                    target=event.target,
-                    request_id=event.request_id,
-                    pipelined=event.pipelined,
-                    after_close=self._closing.get((event.tap, event.conn), False),
-                )
-                conn = self._conn(event.tap, event.conn)
-                if conn is not None:
-                    conn.requests = max(conn.requests, event.seq)
-            case ev.RequestEnd():
-                req = self.requests.get((event.tap, event.conn, event.seq))
-                if req is not None:
-                    req.request_bytes = event.body_bytes
-                    req.request_complete = event.complete
-                    req.body_kept = event.body_kept
-                    req.model = event.model
-                    req.stream = event.stream
-                    req.max_tokens = event.max_tokens
-                    req.messages = event.messages
-                    req.body_sha256 = event.body_sha256
-            case ev.ResponseHead():
-                req = self._request(event.tap, event.conn, event.seq, event.t)
-                req.status = event.status
-                req.sse = event.sse
-                req.ttfb = event.ttfb
-                req.by_tracer = event.by_tracer
-                req.keep_alive = event.keep_alive
-                if not event.keep_alive:
-                    self._closing[(event.tap, event.conn)] = True
-            case ev.ResponseEnd():
-                req = self._request(event.tap, event.conn, event.seq, event.t)
-                req.termination = event.termination
-                req.status = event.status if event.status is not None else req.status
-                req.duration = event.duration
-                req.first_token = event.first_token
-                req.max_gap = event.max_gap
-                req.response_bytes = event.body_bytes
-                req.events = event.events
-                req.comments = event.comments
-                req.done = event.done
-                req.finish_reason = event.finish_reason
-                req.usage = event.usage
-                req.error = event.error
-                req.close = event.close
-                req.mid_event = event.mid_event
-                req.detail = event.detail
-                req.end = event.t
-            case ev.Stall():
-                req = self._request(event.tap, event.conn, event.seq, event.t)
-                if event.phase == "start":
-                    req.stalls.append(
-                        {
-                            "start": event.t - event.silent_for,
-                            "direction": event.direction,
-                            "end": None,
-                            "duration": None,
-                        }
-                    )
-                elif req.stalls and req.stalls[-1]["end"] is None:
-                    req.stalls[-1]["end"] = event.t
-                    req.stalls[-1]["duration"] = event.silent_for
-            case ev.BodyData():
-                if event.sse:
-                    self._event_times(event)
+                self._finish_connection((event.tap, event.conn))
             case ev.EngineSample():
-                self.engine.append(
+                self.engine_urls.add(event.url)
+                self.engine_samples.append(
                     {
                         "t": event.t,
                         "tap": event.tap,
@@ -274,7 +504,8 @@ class Summary:
                     }
                 )
             case ev.HealthSample():
-                self.health.append(
+                self.health_urls.add(event.url)
+                self.health_samples.append(
                     {
                         "t": event.t,
                         "tap": event.tap,
@@ -288,19 +519,43 @@ class Summary:
                 conn = self._conn(event.tap, event.conn)
                 if conn is not None:
                     conn.anomalies.append(f"{event.direction}: {event.error}")
+            case ev.CaptureStart():
+                self.taps.setdefault(
+                    event.tap,
+                    {
+                        "tap": event.tap,
+                        "kind": event.kind,
+                        "listen": event.listen,
+                        "upstream": event.upstream,
+                        "tracer_version": event.tracer_version,
+                        "started": event.t,
+                        "ended": None,
+                        "dropped": 0,
+                    },
+                )
+            case ev.CaptureEnd():
+                tap = self.taps.get(event.tap)
+                if tap is not None:
+                    tap["ended"] = event.t
+                    tap["dropped"] = event.dropped
+            case ev.CaptureLoss():
+                self.capture_losses += event.dropped
             case _:
                 if event.TYPE == "fault":  # injected by the tap itself (--fault)
                     record = event.to_record()
                     self.faults.append(record)
-                    conn, seq = record.get("conn"), record.get("seq")
-                    if isinstance(conn, int) and isinstance(seq, int):
-                        req = self._request(event.tap, conn, seq, event.t)
-                        req.injected.append(str(record.get("spec") or record.get("fault")))
+                    conn_id, seq = record.get("conn"), record.get("seq")
+                    if isinstance(conn_id, int) and isinstance(seq, int):
+                        req = self._request(event.tap, conn_id, seq, event.t)
+                        if req is not None:
+                            req.injected.append(str(record.get("spec") or record.get("fault")))
                 elif event.TYPE == "mark":
                     self.marks.append(event.t)
 
     def _event_times(self, event: ev.BodyData) -> None:
         req = self._request(event.tap, event.conn, event.seq, event.t)
+        if req is None:
+            return
         for item in event.sse or []:
             if item[2] == "comment":
                 continue
@@ -317,11 +572,18 @@ class Summary:
             req.last_event = at
 
     def _conn(self, tap: str, conn: int) -> ConnectionRow | None:
-        return self.connections.get((tap, conn))
+        row, written = self.connections.lookup((tap, conn))
+        self.late_events += written
+        return row
 
-    def _request(self, tap: str, conn: int, seq: int, t: float) -> RequestRow:
+    def _request(self, tap: str, conn: int, seq: int, t: float) -> RequestRow | None:
+        """The request's row; a new one for a response before any parsed request; None
+        (and counted) for an event after the row was written out."""
         key = (tap, conn, seq)
-        req = self.requests.get(key)
+        req, written = self.requests.lookup(key)
+        if written:
+            self.late_events += 1
+            return None
         if req is None:  # a tap-generated response before any parsed request
             req = RequestRow(
                 id=f"{tap}/{conn}/{seq}",
@@ -334,8 +596,20 @@ class Summary:
                 method="",
                 target="",
             )
-            self.requests[key] = req
+            self.requests.start(key, req)
         return req
+
+    def _finish_request(self, key: RequestKey) -> None:
+        written = self.requests.finish(key)
+        if written is not None:
+            self._totals.add(written)
+
+    def _finish_connection(self, key: ConnKey) -> None:
+        """The connection closed: its row is complete (a request that never ended stays
+        in memory: it is in flight, or an anomaly that a finding will name)."""
+        written = self.connections.finish(key)
+        if written is not None:
+            self._closing.pop((written.tap, written.conn), None)
 
     def result(
         self,
@@ -345,29 +619,35 @@ class Summary:
         client_facing: list[str] | None = None,
         raw_rows: bool = False,
     ) -> dict[str, Any]:
-        """The analysis document; ``raw_rows`` leaves the rows as dataclasses (for
+        """The analysis document. ``requests`` and ``connections`` are ``Rows``: iterable
+        (several times, in table order, each row read back one at a time) with ``len()``;
+        their items are dicts, or the dataclasses with ``raw_rows`` (for
         ``render.write_json``, which converts them one at a time)."""
         from .findings import Evidence, find
 
-        conns = sorted(self.connections.values(), key=lambda c: (c.tap, c.opened, c.conn))
-        reqs = sorted(self.requests.values(), key=lambda r: (r.tap, r.conn, r.seq))
+        conns = self.connections.values()
+        reqs = self.requests.values()
         marks = sorted([*self.marks, *(hang_at or [])])
         evidence = Evidence(
             taps=self.taps,
             connections=conns,
             requests=reqs,
-            engine=self.engine,
+            engine=self.engine_samples,
             probes=self.probes,
-            health=self.health,
+            health=self.health_samples,
             faults=self.faults,
             marks=marks,
             client_facing=set(client_facing or []),
             end=self.last_t,
+            request_taps=self.request_taps,
+            sample_urls=self.engine_urls | self.health_urls,
         )
         findings, verdict = find(evidence)
-        terminations: dict[str, int] = {}
-        for r in reqs:
-            terminations[r.termination] = terminations.get(r.termination, 0) + 1
+        totals = _Totals()
+        totals.reused, totals.stalls = self._totals.reused, self._totals.stalls
+        totals.terminations.update(self._totals.terminations)
+        for r in self.requests.live():
+            totals.add(r)
         return {
             "schema": SCHEMA,
             "captures": captures or [],
@@ -377,21 +657,26 @@ class Summary:
                 "events": self.events,
                 "connections": len(conns),
                 "requests": len(reqs),
-                "reused_requests": sum(1 for r in reqs if r.reused),
-                "terminations": dict(sorted(terminations.items())),
-                "stalls": sum(len(r.stalls) for r in reqs),
+                "reused_requests": totals.reused,
+                "terminations": dict(sorted(totals.terminations.items())),
+                "stalls": totals.stalls,
                 "capture_records_lost": self.capture_losses,
+                **({"late_events_ignored": self.late_events} if self.late_events else {}),
             },
-            "connections": conns if raw_rows else [asdict(c) for c in conns],
-            "requests": reqs if raw_rows else [asdict(r) for r in reqs],
+            "connections": conns if raw_rows else _as_dicts(conns),
+            "requests": reqs if raw_rows else _as_dicts(reqs),
             "verdict": verdict,
             "findings": findings,
             "evidence": {
-                "engine_samples": len(self.engine),
-                "engine_urls": sorted({e["url"] for e in self.engine}),
+                "engine_samples": len(self.engine_samples),
+                "engine_urls": sorted(self.engine_urls),
                 "probes": self.probes,
-                "health_samples": len(self.health),
+                "health_samples": len(self.health_samples),
                 "injected_faults": len(self.faults),
                 "marks": marks,
             },
         }
+
+
+def _as_dicts(rows: Rows[Any]) -> Rows[dict[str, Any]]:
+    return Rows(lambda: (asdict(r) for r in rows), len(rows))

@@ -18,7 +18,7 @@ from .analysis import Summary
 from .capture import CaptureError, CaptureWriter, ReadStats, read_events
 from .faults import KINDS, RULE_KEYS, Fault, FaultSpecError, parse_fault
 from .relay import Tap, TapConfig, parse_hostport, parse_upstream
-from .render import to_markdown, to_text, write_json
+from .render import write_json, write_markdown, write_text
 
 EXIT_USAGE = 2
 EXIT_INPUT = 3
@@ -508,35 +508,39 @@ def _fmt(bound: list[tuple[str, int]]) -> str:
 
 
 def _analyze(args: argparse.Namespace) -> int:
-    summary = Summary()
-    captures: list[dict[str, Any]] = []
-    for path in args.captures:
-        stats = ReadStats()
-        try:
-            for event in read_events(path, stats):
-                summary.feed(event)
-        except OSError as exc:
-            print(f"tracer: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
-            return EXIT_INPUT
-        captures.append(
-            {
-                "path": Path(path).name,
-                "records": stats.records,
-                "bad_lines": stats.bad_lines,
-                "torn_tail": stats.torn_tail,
-                "version": stats.version,
-            }
-        )
-    marks = [parse_time(value, summary.first_t) for value in args.hang_at]
-    if args.format == "json":  # rows written one at a time: big captures stay affordable
+    with Summary() as summary:  # (rows spilled to temporary files are released on exit)
+        captures: list[dict[str, Any]] = []
+        for path in args.captures:
+            stats = ReadStats()
+            try:
+                for event in read_events(path, stats):
+                    summary.feed(event)
+            except OSError as exc:
+                print(f"tracer: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
+                return EXIT_INPUT
+            captures.append(
+                {
+                    "path": Path(path).name,
+                    "records": stats.records,
+                    "bad_lines": stats.bad_lines,
+                    "torn_tail": stats.torn_tail,
+                    "version": stats.version,
+                }
+            )
+        marks = [parse_time(value, summary.first_t) for value in args.hang_at]
+        # rows are written one at a time: big captures stay affordable
         result = summary.result(
-            captures=captures, hang_at=marks, client_facing=args.client_facing, raw_rows=True
+            captures=captures,
+            hang_at=marks,
+            client_facing=args.client_facing,
+            raw_rows=args.format == "json",
         )
-        write_json(result, sys.stdout)
-        return 0
-    result = summary.result(captures=captures, hang_at=marks, client_facing=args.client_facing)
-    out = to_markdown(result) if args.format == "md" else to_text(result)
-    sys.stdout.write(out)
+        if args.format == "json":
+            write_json(result, sys.stdout)
+        elif args.format == "md":
+            write_markdown(result, sys.stdout)
+        else:
+            write_text(result, sys.stdout)
     return 0
 
 

@@ -28,13 +28,16 @@ next), or in front of an idle engine whose fresh connections answer.
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left, bisect_right
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from statistics import median
 from typing import Any
 from urllib.parse import urlsplit
 
-from .analysis import ConnectionRow, RequestRow
+from .analysis import ZERO_GAP, ConnectionRow, RequestRow
+from .spill import ChunkLog, SortedSpool
 
 CONFIDENCE = {"high": 0, "medium": 1, "low": 2}
 ENGINE_PROFILES = {"sglang", "vllm", "llamacpp"}
@@ -42,20 +45,27 @@ ROUTER_PROFILES = {"smg", "sgl_router"}
 SLOW_FIRST_TOKEN = 2.0  # seconds: below this a first token is never "slow"
 IDLE_REUSE_RACE = 1.0  # seconds idle before a request for a stale-connection race
 UPSTREAM_GONE = "upstream already closed"  # the observer's detail for such a request
+SPILL_ITEMS = 16384  # join records (a few small fields each) in memory before a run spills
 
 
 @dataclass
 class Evidence:
+    """What ``find`` works from. ``requests`` and ``connections`` may be any iterable that
+    can be iterated several times in table order (a list, or ``analysis.Rows`` that reads
+    them back from disk); ``engine`` and ``health`` a list or a ``ChunkLog``."""
+
     taps: dict[str, dict[str, Any]]
-    connections: list[ConnectionRow]
-    requests: list[RequestRow]
-    engine: list[dict[str, Any]]
+    connections: Iterable[ConnectionRow]
+    requests: Iterable[RequestRow]
+    engine: Iterable[dict[str, Any]]
     probes: list[dict[str, Any]]
-    health: list[dict[str, Any]]
+    health: Iterable[dict[str, Any]]
     faults: list[dict[str, Any]]
     marks: list[float]
     client_facing: set[str] = field(default_factory=set)
     end: float | None = None
+    request_taps: set[str] | None = None  # taps with parsed requests, when known up front
+    sample_urls: set[str] | None = None  # engine and health URLs, when known up front
 
 
 @dataclass
@@ -117,63 +127,331 @@ def _base(url: str) -> str:
     return parts.netloc
 
 
+def _delivery_kind(r: RequestRow) -> str | None:
+    """``coalesced`` or ``buffered`` when the stream's arrival statistics say so."""
+    if not r.sse or r.event_gaps < 8 or r.first_event is None or r.last_event is None:
+        return None
+    zero = r.zero_gaps / r.event_gaps
+    spread = r.last_event - r.first_event
+    duration = (r.end or r.last_event) - r.start
+    if zero >= 0.5 and r.bunch_gaps >= 2 and spread > 0.05:
+        return "coalesced"
+    if (
+        duration > 1.0
+        and spread < 0.05
+        and r.events >= 5
+        and zero >= 0.8
+        and (r.first_event - r.start > 0.8 * duration)
+    ):
+        return "buffered"
+    return None
+
+
+def _worth_keeping(r: RequestRow) -> bool:
+    """Whether any analyzer could make a finding of this request (the union of what they
+    look at, wider where that is cheaper to say): these rows stay in memory, the healthy
+    rest is only counted and streamed past."""
+    return (
+        r.termination != "complete"  # hangs, aborts, truncations, the joins' front rows
+        or bool(r.stalls)
+        or r.after_close
+        or r.detail is not None
+        or bool(r.error)
+        or r.by_tracer
+        or (r.status is not None and r.status >= 500)
+        or (r.sse and r.events > 0 and not r.done and r.finish_reason is None)
+        or (r.first_token is not None and r.first_token >= SLOW_FIRST_TOKEN)
+        or _delivery_kind(r) is not None
+    )
+
+
+class _PairOrder:
+    """The sign of the median of ``t(b) - t(a)`` over shared requests, in O(1) memory.
+
+    Equal to ``statistics.median(diffs) > 0``: with more positive than other differences
+    the median is positive, with fewer it is not, and with as many it is the mean of the
+    largest non-positive and the smallest positive one.
+    """
+
+    def __init__(self) -> None:
+        self.positive = 0
+        self.other = 0
+        self.min_positive = math.inf
+        self.max_other = -math.inf
+
+    def add(self, d: float) -> None:
+        if d > 0:
+            self.positive += 1
+            self.min_positive = min(self.min_positive, d)
+        else:
+            self.other += 1
+            self.max_other = max(self.max_other, d)
+
+    def later(self) -> bool | None:
+        """Whether b sees requests after a (None: no shared request)."""
+        n = self.positive + self.other
+        if n == 0:
+            return None
+        if self.positive * 2 > n + (n % 2 == 0):  # both middle values positive
+            return True
+        if n % 2 == 0 and self.positive * 2 == n:
+            return (self.max_other + self.min_positive) / 2 > 0
+        return False
+
+
+class _Windows:
+    """Stabbing queries: which hang windows contain a request's [start, end].
+
+    Windows sorted by start, and a max-tree over their ends, so a query costs
+    O(log windows + matches) whatever the number of windows.
+    """
+
+    def __init__(self, windows: list[tuple[float, float, int]]) -> None:
+        self.items = sorted(windows)  # (start, end + slack, index)
+        self.starts = [w[0] for w in self.items]
+        size = 1
+        while size < len(self.items):
+            size *= 2
+        self.size = size
+        self.tree = [-math.inf] * (2 * size)
+        for i, w in enumerate(self.items):
+            self.tree[size + i] = w[1]
+        for node in range(size - 1, 0, -1):
+            self.tree[node] = max(self.tree[2 * node], self.tree[2 * node + 1])
+
+    def containing(self, start: float, end: float) -> list[int]:
+        """Indexes of the windows with ``w.start <= start`` and ``end <= w.end``."""
+        limit = bisect_right(self.starts, start)
+        out: list[int] = []
+        stack = [(1, 0, self.size)]
+        tree, items = self.tree, self.items
+        while stack:
+            node, lo, hi = stack.pop()
+            if lo >= limit or tree[node] < end:
+                continue
+            if hi - lo == 1:
+                out.append(items[lo][2])
+                continue
+            mid = (lo + hi) // 2
+            stack.append((2 * node + 1, mid, hi))
+            stack.append((2 * node, lo, mid))
+        return out
+
+
+@dataclass
+class _Group:
+    """The requests that share one join key, as seen at each tap (the first per tap)."""
+
+    first: tuple[str, float, int]  # (tap, start, position): where the key appears first
+    members: dict[str, tuple[float, int, bool, bool]]  # tap -> (start, position,
+    # front-relevant, coalesced)
+
+
+def _relevant_at_front(r: RequestRow, end: float | None) -> bool:
+    return _hang_window(r, end) is not None or r.termination != "complete"
+
+
 class Context:
-    """Indexes over the evidence shared by the analyzers."""
+    """What the analyzers need from the evidence, gathered in one pass over the rows.
+
+    Kept in memory: the rows an analyzer could make a finding of (``interesting``,
+    bounded by the anomalies, not by the capture), per-tap request counts and hang-mark
+    statistics. With several taps the requests are joined across taps by an external
+    sort of small (key, tap, start, position) records; the tap order comes from the
+    sign of the median time difference per tap pair, kept in O(1) per pair. Requests on
+    fresh connections that completed during a hang window are found by a second pass,
+    only when there are hang windows.
+    """
 
     def __init__(self, e: Evidence) -> None:
         self.e = e
-        self.by_tap: dict[str, list[RequestRow]] = defaultdict(list)
-        for r in e.requests:
-            if r.method:
-                self.by_tap[r.tap].append(r)
-        self.conns = {(c.tap, c.conn): c for c in e.connections}
-        self.serving_hosts = {_base(s["url"]) for s in e.engine} | {
-            _base(h["url"]) for h in e.health
-        }
+        urls = e.sample_urls
+        if urls is None:
+            urls = {s["url"] for s in e.engine} | {h["url"] for h in e.health}
+        self.serving_hosts = {_base(u) for u in urls}
+        self.marks = sorted(e.marks)
+        self.interesting: list[RequestRow] = []
+        self.counts: dict[str, int] = defaultdict(int)  # requests (parsed) per tap
+        self.rows = 0
+        self._positions: dict[int, RequestRow] = {}
+        self._mark_stats: dict[str, list[list[int]]] = {}
+        self._groups: list[_Group] = []
+        self._pairs: dict[tuple[str, str], _PairOrder] = defaultdict(_PairOrder)
+        self._fresh: dict[int, tuple[int, RequestRow | None]] | None = None
+        self._joined: tuple[list[dict[str, RequestRow]], dict[str, dict[str, RequestRow]]] | None
+        self._joined = None
+        self._scan()
         self.order = self._tap_order()
 
-    def join_keys(self) -> list[tuple[str, RequestRow]]:
-        """A key per request that is the same at every tap that saw it.
+    # -- the pass over the rows --------------------------------------------------------
 
-        ``x-request-id`` when the client sent one; otherwise a fingerprint (method,
-        target, body hash) and its occurrence number at that tap, in time order.
+    def _scan(self) -> None:
+        taps = self.e.request_taps
+        joining = taps is None or len(taps) >= 2
+        by_id: SortedSpool[tuple[Any, ...]] = _tuple_spool()
+        by_print: SortedSpool[tuple[Any, ...]] = _tuple_spool()
+        end = self.e.end
+        try:
+            for pos, r in enumerate(self.e.requests):
+                self.rows += 1
+                if _worth_keeping(r):
+                    self.interesting.append(r)
+                    self._positions[pos] = r
+                if not r.method:
+                    continue
+                self.counts[r.tap] += 1
+                if self.marks:
+                    self._count_marks(r)
+                if joining:
+                    rel = _relevant_at_front(r, end)
+                    coal = _delivery_kind(r) == "coalesced"
+                    if r.request_id:
+                        by_id.add((f"id:{r.request_id}", r.tap, r.start, pos, rel, coal))
+                    else:
+                        fingerprint = f"{r.method} {r.target} {r.body_sha256}"
+                        by_print.add((r.tap, fingerprint, r.start, pos, rel, coal))
+            if joining and len(self.counts) >= 2:
+                self._join(by_id, by_print)
+        finally:
+            by_id.close()
+            by_print.close()
+
+    def _count_marks(self, r: RequestRow) -> None:
+        """Per tap and mark: requests started before it, those not complete, in flight."""
+        stats = self._mark_stats.get(r.tap)
+        if stats is None:
+            stats = self._mark_stats[r.tap] = [[0] * (len(self.marks) + 1) for _ in range(3)]
+        before, incomplete, in_flight = stats
+        first = bisect_left(self.marks, r.start)  # the marks at or after its start
+        before[first] += 1
+        if r.termination != "complete":
+            incomplete[first] += 1
+        last = len(self.marks) if r.end is None else bisect_right(self.marks, r.end)
+        if first < last:
+            in_flight[first] += 1
+            in_flight[last] -= 1
+
+    def mark_stats(self, tap: str, mark: float) -> tuple[int, int, int]:
+        """(requests started by the mark, of which not complete, in flight at the mark)."""
+        stats = self._mark_stats.get(tap)
+        if stats is None:
+            return 0, 0, 0
+        i = bisect_right(self.marks, mark) - 1
+        if i < 0 or self.marks[i] != mark:
+            raise ValueError(f"{mark} is not one of the hang marks")
+        before, incomplete, in_flight = (sum(column[: i + 1]) for column in stats)
+        return before, incomplete, in_flight
+
+    def _join(self, by_id: SortedSpool[tuple[Any, ...]], by_print: SortedSpool[Any]) -> None:
+        """Group the requests by join key; keep the statistics and the groups that matter.
+
+        A key is ``x-request-id`` when the client sent one; otherwise a fingerprint
+        (method, target, body hash) and its occurrence number at that tap, in time order.
         """
-        keys: list[tuple[str, RequestRow]] = []
-        seen: dict[tuple[str, str], int] = defaultdict(int)
-        for r in sorted(self.e.requests, key=lambda x: (x.tap, x.start)):
-            if not r.method:
-                continue
-            if r.request_id:
-                keys.append((f"id:{r.request_id}", r))
-                continue
-            fingerprint = f"{r.method} {r.target} {r.body_sha256}"
-            seen[(r.tap, fingerprint)] += 1
-            keys.append((f"fp:{fingerprint}#{seen[(r.tap, fingerprint)]}", r))
-        return keys
+        keyed: SortedSpool[tuple[Any, ...]] = _tuple_spool()
+        try:
+            for item in by_id:
+                keyed.add(item)
+            previous, n = None, 0
+            for tap, fingerprint, start, pos, rel, coal in by_print:
+                n = n + 1 if previous == (tap, fingerprint) else 1
+                previous = (tap, fingerprint)
+                keyed.add((f"fp:{fingerprint}#{n}", tap, start, pos, rel, coal))
+            key: str | None = None
+            group: _Group | None = None
+            for k, tap, start, pos, rel, coal in keyed:
+                if k != key:
+                    self._close_group(group)
+                    key, group = k, _Group(first=(tap, start, pos), members={})
+                assert group is not None
+                group.members.setdefault(tap, (start, pos, rel, coal))
+            self._close_group(group)
+        finally:
+            keyed.close()
+        self._groups.sort(key=lambda g: g.first)
+
+    def _close_group(self, group: _Group | None) -> None:
+        if group is None:
+            return
+        taps = sorted(group.members)
+        for i, a in enumerate(taps):
+            for b in taps[i + 1 :]:
+                self._pairs[(a, b)].add(group.members[b][0] - group.members[a][0])
+        if any(rel or coal for _, _, rel, coal in group.members.values()):
+            self._groups.append(group)
 
     def _tap_order(self) -> list[str]:
         """Taps from the client side to the engine side (by when they saw shared requests)."""
-        taps = sorted(self.by_tap)
+        taps = sorted(self.counts)
         if len(taps) < 2:
             return taps
-        ids: dict[str, dict[str, float]] = defaultdict(dict)
-        for key, r in self.join_keys():
-            ids[key].setdefault(r.tap, r.start)
         score = dict.fromkeys(taps, 0.0)
         for a in taps:
             for b in taps:
                 if a >= b:
                     continue
-                diffs = [t[b] - t[a] for t in ids.values() if a in t and b in t]
-                if diffs:
-                    d = median(diffs)
-                    score[b] += 1 if d > 0 else -1
-                    score[a] += -1 if d > 0 else 1
+                later = self._pairs[(a, b)].later() if (a, b) in self._pairs else None
+                if later is not None:
+                    score[b] += 1 if later else -1
+                    score[a] += -1 if later else 1
         return sorted(taps, key=lambda t: (score[t], t))
+
+    def joined(self) -> list[dict[str, RequestRow]]:
+        """Per join key whose front-most request did not complete cleanly: the request as
+        each tap saw it (taps in name order), in order of first appearance."""
+        return self._resolve()[0]
+
+    def seen_with(self, r: RequestRow) -> dict[str, RequestRow]:
+        """A request whose events came bunched, as each tap saw it (empty when alone)."""
+        return self._resolve()[1].get(r.id, {})
+
+    def tap_behind(self, tap: str) -> str | None:
+        """The next tap toward the engine."""
+        if tap not in self.order:
+            return None
+        i = self.order.index(tap)
+        return self.order[i + 1] if i + 1 < len(self.order) else None
+
+    def _resolve(
+        self,
+    ) -> tuple[list[dict[str, RequestRow]], dict[str, dict[str, RequestRow]]]:
+        """The rows of the groups the analyzers ask about (one more pass over the rows
+        when some are not among the interesting ones)."""
+        if self._joined is not None:
+            return self._joined
+        rank = {tap: i for i, tap in enumerate(self.order)}
+        fronts: list[_Group] = []
+        bunched: list[_Group] = []
+        for g in self._groups:
+            front = min(g.members, key=lambda t: rank.get(t, 0))
+            if g.members[front][2]:
+                fronts.append(g)
+            if any(coal for _, _, _, coal in g.members.values()):
+                bunched.append(g)
+        need = {pos for g in fronts + bunched for _, pos, _, _ in g.members.values()}
+        rows = {pos: self._positions[pos] for pos in need if pos in self._positions}
+        if need - rows.keys():
+            for pos, r in enumerate(self.e.requests):
+                if pos in need:
+                    rows[pos] = r
+
+        def seen(g: _Group) -> dict[str, RequestRow]:
+            return {tap: rows[pos] for tap, (_, pos, _, _) in g.members.items()}
+
+        with_others = {r.id: seen(g) for g in bunched for r in seen(g).values()}
+        self._joined = ([seen(g) for g in fronts], with_others)
+        return self._joined
+
+    # -- queries -----------------------------------------------------------------------
 
     def upstream_is_serving(self, tap: str) -> bool:
         upstream = self.e.taps.get(tap, {}).get("upstream")
         return bool(upstream) and _base(str(upstream)) in self.serving_hosts
+
+    def _engine_between(self, lo: float, hi: float) -> Iterable[dict[str, Any]]:
+        if isinstance(self.e.engine, ChunkLog):
+            return self.e.engine.window(lo, hi)
+        return (s for s in self.e.engine if lo <= s["t"] <= hi)
 
     def engine_view(self, start: float, end: float) -> EngineView:
         """The engines' own figures over a window.
@@ -187,9 +465,7 @@ class Context:
         tokens: float | None = None
         gauges: list[tuple[float, dict[str, Any]]] = []
         live: list[tuple[float, dict[str, Any]]] = []
-        for s in self.e.engine:
-            if not (start - 1.5 <= s["t"] <= end + 1.5):
-                continue
+        for s in self._engine_between(start - 1.5, end + 1.5):
             if not s["ok"]:
                 view.failures += 1
                 continue
@@ -229,18 +505,48 @@ class Context:
             and (start - 0.5 <= p["t"] <= end + 0.5 or p["trigger"] == [r.conn, r.seq])
         ]
 
-    def fresh_completed(self, r: RequestRow, start: float, end: float) -> list[RequestRow]:
-        """Requests on fresh connections of the same tap that completed during the window."""
-        return [
-            o
-            for o in self.by_tap[r.tap]
-            if o is not r
-            and not o.reused
-            and o.termination == "complete"
-            and o.start >= start
-            and o.end is not None
-            and o.end <= end + 0.5
-        ]
+    def fresh_completed(self, r: RequestRow) -> tuple[int, RequestRow | None]:
+        """Requests on fresh connections of the same tap that completed during the
+        request's hang window: how many, and the first in table order."""
+        if self._fresh is None:
+            self._fresh = self._find_fresh()
+        return self._fresh.get(id(r), (0, None))
+
+    def _find_fresh(self) -> dict[int, tuple[int, RequestRow | None]]:
+        """One pass over the rows, answering every hang window at once."""
+        windows: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
+        owners: list[RequestRow] = []
+        for r in self.interesting:
+            window = _hang_window(r, self.e.end) if r.method else None
+            if window is not None:
+                windows[r.tap].append((window[0], window[1] + 0.5, len(owners)))
+                owners.append(r)
+        found: list[tuple[int, RequestRow | None]] = [(0, None)] * len(owners)
+        if owners:
+            index = {tap: _Windows(w) for tap, w in windows.items()}
+            for o in self.e.requests:
+                if (
+                    not o.method
+                    or o.reused
+                    or o.termination != "complete"
+                    or o.end is None
+                    or o.tap not in index
+                ):
+                    continue
+                for i in index[o.tap].containing(o.start, o.end):
+                    if o.id == owners[i].id:
+                        continue
+                    count, first = found[i]
+                    found[i] = (count + 1, first or o)
+        return {id(r): found[i] for i, r in enumerate(owners)}
+
+
+def _identity(item: tuple[Any, ...]) -> tuple[Any, ...]:
+    return item
+
+
+def _tuple_spool() -> SortedSpool[tuple[Any, ...]]:
+    return SortedSpool(_identity, _identity, tuple, limit=SPILL_ITEMS)
 
 
 def _finding(
@@ -316,10 +622,21 @@ def _injected(ctx: Context, r: RequestRow) -> list[str]:
     return [f"the tap injected this fault itself: {', '.join(r.injected)} (opt-in --fault)"]
 
 
+def _began_before(r: RequestRow, start: float) -> bool:
+    """The response's body had begun before the silence at ``start``: a stall mid-stream,
+    not a wait for the first token (a request queued behind others waits like that, and
+    so does one whose head an engine sends before its first token)."""
+    if r.sse:
+        began = r.first_event
+    else:
+        began = r.start + r.ttfb if r.ttfb is not None and r.response_bytes > 0 else None
+    return began is not None and began <= start + ZERO_GAP
+
+
 def analyze_request_hangs(ctx: Context) -> list[dict[str, Any]]:
     """Requests that sat with nothing from upstream: engine wedge, lost, or a hop on reuse."""
     out: list[dict[str, Any]] = []
-    for r in ctx.e.requests:
+    for r in ctx.interesting:
         if not r.method:
             continue
         window = _hang_window(r, ctx.e.end)
@@ -344,13 +661,13 @@ def analyze_request_hangs(ctx: Context) -> list[dict[str, Any]]:
             + (f" ({p['reason']})" if p.get("reason") else "")
             for p in probes
         ]
-        fresh = ctx.fresh_completed(r, start, end)
-        if fresh:
+        fresh, example = ctx.fresh_completed(r)
+        if example is not None:
             evidence.append(
-                f"{len(fresh)} request(s) on fresh connections completed meanwhile "
-                f"(e.g. {fresh[0].id}, {fresh[0].duration or 0:.3f} s)"
+                f"{fresh} request(s) on fresh connections completed meanwhile "
+                f"(e.g. {example.id}, {example.duration or 0:.3f} s)"
             )
-        mid_stream = r.status is not None and (r.events > 0 or r.response_bytes > 0)
+        mid_stream = _began_before(r, start)
         client_ok = {
             "party": "client",
             "why": "the request reached the tap complete and the tap forwarded it; the client "
@@ -471,7 +788,7 @@ def analyze_request_hangs(ctx: Context) -> list[dict[str, Any]]:
 
 def analyze_client(ctx: Context) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for r in ctx.e.requests:
+    for r in ctx.interesting:
         if not r.method:
             continue
         blocked = [s for s in r.stalls if s["direction"] == "client_not_reading"]
@@ -533,7 +850,7 @@ def analyze_client(ctx: Context) -> list[dict[str, Any]]:
 def analyze_upstream_endings(ctx: Context) -> list[dict[str, Any]]:
     """Truncations, errors, unreachable upstreams, stale-connection races."""
     out: list[dict[str, Any]] = []
-    for r in ctx.e.requests:
+    for r in ctx.interesting:
         if not r.method:
             continue
         serving = ctx.upstream_is_serving(r.tap)
@@ -656,13 +973,18 @@ def analyze_upstream_endings(ctx: Context) -> list[dict[str, Any]]:
 def analyze_delivery(ctx: Context) -> list[dict[str, Any]]:
     """Coalesced (≈40 ms bunches) and buffered (all at the end) streams."""
     out: list[dict[str, Any]] = []
-    for r in ctx.e.requests:
-        if not r.sse or r.event_gaps < 8 or r.first_event is None or r.last_event is None:
+    for r in ctx.interesting:
+        kind = _delivery_kind(r)
+        if kind is None or r.first_event is None or r.last_event is None:
             continue
         zero = r.zero_gaps / r.event_gaps
         spread = r.last_event - r.first_event
         duration = (r.end or r.last_event) - r.start
-        if zero >= 0.5 and r.bunch_gaps >= 2 and spread > 0.05:
+        behind = ctx.tap_behind(r.tap) if kind == "coalesced" else None
+        steady = ctx.seen_with(r).get(behind) if behind else None
+        if steady is not None and steady.event_gaps >= 8 and _delivery_kind(steady) is None:
+            out.append(_coalesced_between(r, steady))
+        elif kind == "coalesced":
             out.append(
                 _finding(
                     "delivery_coalesced",
@@ -680,13 +1002,7 @@ def analyze_delivery(ctx: Context) -> list[dict[str, Any]]:
                     t=r.first_event,
                 )
             )
-        elif (
-            duration > 1.0
-            and spread < 0.05
-            and r.events >= 5
-            and zero >= 0.8
-            and (r.first_event - r.start > 0.8 * duration)
-        ):
+        else:
             view = ctx.engine_view(r.start, r.end or r.last_event)
             party = "proxy" if view.tokens and not ctx.upstream_is_serving(r.tap) else "unknown"
             out.append(
@@ -714,11 +1030,42 @@ def analyze_delivery(ctx: Context) -> list[dict[str, Any]]:
     return out
 
 
+def _gap_figures(r: RequestRow) -> str:
+    zero = r.zero_gaps / r.event_gaps if r.event_gaps else 0.0
+    return f"{r.events} events: {zero:.0%} of gaps < 1 ms, {r.bunch_gaps} gaps of 30-60 ms"
+
+
+def _coalesced_between(r: RequestRow, steady: RequestRow) -> dict[str, Any]:
+    """Bunched at one tap, steady at the next one toward the engine: the hop between."""
+    return _finding(
+        "delivery_coalesced",
+        "proxy",
+        f"Events arrived in bunches about 40 ms apart at tap {r.tap} but steadily at tap "
+        f"{steady.tap}: the hop between tap {r.tap} and tap {steady.tap} holds them (no "
+        "TCP_NODELAY meeting a delayed ACK).",
+        [r, steady],
+        [
+            _req_quote(r),
+            f"at tap {r.tap}: {_gap_figures(r)}",
+            _req_quote(steady),
+            f"at tap {steady.tap}: {_gap_figures(steady)}",
+        ],
+        [
+            {"party": "client", "why": "bunching is seen before the client"},
+            {"party": "engine", "why": f"the events passed tap {steady.tap} steadily"},
+        ],
+        "high",
+        t=r.first_event,
+    )
+
+
 def analyze_load(ctx: Context) -> list[dict[str, Any]]:
     """Slow first tokens while the engine was busy: load, with the figures — not a fault."""
     out: list[dict[str, Any]] = []
     slow = [
-        r for r in ctx.e.requests if r.first_token is not None and r.first_token >= SLOW_FIRST_TOKEN
+        r
+        for r in ctx.interesting
+        if r.first_token is not None and r.first_token >= SLOW_FIRST_TOKEN
     ]
     for r in slow:
         view = ctx.engine_view(r.start, r.start + r.first_token)  # type: ignore[operator]
@@ -747,17 +1094,14 @@ def analyze_marks(ctx: Context) -> list[dict[str, Any]]:
         return out
     front = ctx.order[0]
     for mark in ctx.e.marks:
-        in_flight = [
-            r for r in ctx.by_tap[front] if r.start <= mark and (r.end is None or r.end >= mark)
-        ]
+        before, incomplete, in_flight = ctx.mark_stats(front, mark)
         if in_flight:
             continue
-        before = [r for r in ctx.by_tap[front] if r.start <= mark]
-        complete = all(r.termination == "complete" for r in before)
+        complete = incomplete == 0
         view = ctx.engine_view(mark - 5.0, mark)
         evidence = [
             f"hang reported at {_ts(mark)}: no request in flight at tap {front}",
-            f"{len(before)} request(s) before it, "
+            f"{before} request(s) before it, "
             + ("all delivered completely" if complete else "not all complete"),
         ]
         if view.known:
@@ -810,13 +1154,10 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
     """With several taps: a request that stopped between two of them blames the hop there."""
     if len(ctx.order) < 2:
         return findings
-    by_id: dict[str, dict[str, RequestRow]] = defaultdict(dict)
-    for key, r in ctx.join_keys():
-        by_id[key].setdefault(r.tap, r)
     rank = {tap: i for i, tap in enumerate(ctx.order)}
     replaced: set[str] = set()
     extra: list[dict[str, Any]] = []
-    for seen in by_id.values():
+    for seen in ctx.joined():
         taps = sorted(seen, key=lambda t: rank.get(t, 0))
         front = seen[taps[0]]
         window = _hang_window(front, ctx.e.end)
@@ -831,7 +1172,7 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
                 kind = "proxy_hung_on_reuse" if seen[last].reused else "proxy_swallowed_request"
                 evidence = [_req_quote(seen[t]) for t in taps] + [
                     f"never seen at tap {after}, which saw "
-                    f"{len(ctx.by_tap[after])} other request(s)",
+                    f"{ctx.counts.get(after, 0)} other request(s)",
                     _outcome_quote(front),
                 ]
                 if view.known:
@@ -912,7 +1253,7 @@ def find(e: Evidence) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             "summary": "No fault found in the captures."
             + (f" {len(notes)} note(s) about load." if notes else ""),
             "finding": None,
-            "confidence": "high" if e.requests else "low",
+            "confidence": "high" if ctx.rows else "low",
         }
     else:
         top = faults[0]

@@ -28,6 +28,14 @@ def configure(*, json: bool = False, level: str = "info", stream: Any = None) ->
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stderr),
+        logger_factory=_factory(stream),
         cache_logger_on_first_use=False,
     )
+
+
+def _factory(stream: Any) -> Any:
+    """A logger on ``stream``, or on whatever ``sys.stderr`` is when a line is logged
+    (not the one at configure time: in-process callers such as tests swap it)."""
+    if stream is not None:
+        return structlog.PrintLoggerFactory(file=stream)
+    return lambda *args: structlog.PrintLogger(sys.stderr)

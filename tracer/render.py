@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import asdict, is_dataclass
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import fields, is_dataclass
+from itertools import batched
+from json.encoder import encode_basestring as _encode_str
 from typing import Any, TextIO
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 
@@ -19,7 +24,7 @@ def to_json(result: dict[str, Any]) -> str:
 
 def write_json(result: dict[str, Any], out: TextIO) -> None:
     """The same bytes as ``json.dumps(result, indent=2, sort_keys=True)``, written row by
-    row so that the rows never exist twice in memory (as objects and as one string)."""
+    row so that the rows never exist together in memory (as objects or as one string)."""
     keys = sorted(result)
     out.write("{\n")
     for i, key in enumerate(keys):
@@ -27,17 +32,55 @@ def write_json(result: dict[str, Any], out: TextIO) -> None:
         out.write(f"  {json.dumps(key)}: ")
         if key in ("requests", "connections") and value:
             out.write("[\n")
-            for j, row in enumerate(value):
-                item = asdict(row) if is_dataclass(row) and not isinstance(row, type) else row
-                text = json.dumps(item, indent=2, sort_keys=True, ensure_ascii=False)
-                out.write("    " + text.replace("\n", "\n    "))
-                out.write(",\n" if j < len(value) - 1 else "\n")
+            count = len(value)
+            for j, row in enumerate(value, 1):
+                out.write(_row_json(row) + (",\n" if j < count else "\n"))
             out.write("  ]")
         else:
             text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
             out.write(text.replace("\n", "\n  "))
         out.write(",\n" if i < len(keys) - 1 else "\n")
     out.write("}\n")
+
+
+def _float_json(value: float) -> str:
+    return float.__repr__(value) if math.isfinite(value) else json.dumps(value)
+
+
+def _nested_json(value: Any) -> str:
+    if not value and type(value) in (list, dict):
+        return "[]" if type(value) is list else "{}"
+    text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
+    return text.replace("\n", "\n      ")
+
+
+_ENCODERS: dict[type, Callable[[Any], str]] = {
+    str: _encode_str,
+    int: int.__repr__,
+    float: _float_json,
+    bool: lambda value: "true" if value else "false",
+    type(None): lambda value: "null",
+}
+_FIELDS: dict[type, tuple[list[str], list[str]]] = {}  # names (sorted) and their prefixes
+
+
+def _row_json(row: Any) -> str:
+    """One table row as ``json.dumps(row, indent=2, sort_keys=True)`` indented by four,
+    built field by field (the stdlib's indenting encoder is pure Python and slow)."""
+    if is_dataclass(row) and not isinstance(row, type):
+        known = _FIELDS.get(type(row))
+        if known is None:
+            names = sorted(f.name for f in fields(row))
+            known = _FIELDS[type(row)] = (names, [f"      {_encode_str(n)}: " for n in names])
+        names, prefixes = known
+        values = [getattr(row, name) for name in names]
+    else:
+        names = sorted(row)
+        prefixes = [f"      {_encode_str(n)}: " for n in names]
+        values = [row[name] for name in names]
+    get, nested = _ENCODERS.get, _nested_json
+    parts = [p + get(type(v), nested)(v) for p, v in zip(prefixes, values, strict=True)]
+    return "    {\n" + ",\n".join(parts) + "\n    }"
 
 
 def _ms(value: float | None) -> str:
@@ -83,11 +126,49 @@ def verdict_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+CONNECTION_COLUMNS = (
+    "conn",
+    "peer",
+    "opened",
+    "reqs",
+    "closed by",
+    "how",
+    "half-close",
+    "in flight",
+    "bytes c->u",
+    "bytes u->c",
+    "upstream",
+)
+REQUEST_COLUMNS = (
+    "request",
+    "start",
+    "idle before",
+    "request line",
+    "x-request-id",
+    "status",
+    "ttfb",
+    "first token",
+    "duration",
+    "max gap",
+    "events",
+    "[DONE]",
+    "finish",
+    "termination",
+    "stalls",
+)
+TABLE_CHUNK = 500  # rows rendered by rich at a time
+
+
 def to_text(result: dict[str, Any], *, width: int = 200) -> str:
     buf = io.StringIO()
-    console = Console(
-        file=buf, width=width, color_system=None, force_terminal=False, highlight=False
-    )
+    write_text(result, buf, width=width)
+    return buf.getvalue()
+
+
+def write_text(result: dict[str, Any], out: TextIO, *, width: int = 200) -> None:
+    """Verdict, findings, totals, then the connections and requests tables, written to
+    ``out`` a chunk of rows at a time."""
+    console = _console(out, width)
     for line in verdict_lines(result):
         console.print(line, markup=False, soft_wrap=True)
     console.print()
@@ -102,84 +183,117 @@ def to_text(result: dict[str, Any], *, width: int = 200) -> str:
     console.print(f"terminations: {terms}")
     if totals["capture_records_lost"]:
         console.print(f"WARNING: the capture lost {totals['capture_records_lost']} records")
-
-    conns = Table(title="connections", title_justify="left", show_edge=False, pad_edge=False)
-    for col in (
-        "conn",
-        "peer",
-        "opened",
-        "reqs",
-        "closed by",
-        "how",
-        "half-close",
-        "in flight",
-        "bytes c->u",
-        "bytes u->c",
-        "upstream",
-    ):
-        conns.add_column(col, no_wrap=True)
-    for c in result["connections"]:
-        upstream = c["upstream_error"] or c["upstream_local"] or "-"
-        conns.add_row(
-            c["id"],
-            c["peer"],
-            _rel(c["opened"], origin),
-            str(c["requests"]),
-            c["closed_by"] or "open",
-            c["how"] or "-",
-            c["half_close"] or "-",
-            "-"
-            if c["in_flight_at_close"] is None
-            else ("yes" if c["in_flight_at_close"] else "no"),
-            str(c["bytes_from_client"] if c["bytes_from_client"] is not None else "-"),
-            str(c["bytes_from_upstream"] if c["bytes_from_upstream"] is not None else "-"),
-            upstream,
+    if totals.get("late_events_ignored"):
+        console.print(
+            f"WARNING: {totals['late_events_ignored']} events came after their request's or "
+            "connection's row was written out, and were ignored"
         )
-    console.print(conns)
 
-    reqs = Table(title="requests", title_justify="left", show_edge=False, pad_edge=False)
-    for col in (
-        "request",
-        "start",
-        "idle before",
-        "request line",
-        "x-request-id",
-        "status",
-        "ttfb",
-        "first token",
-        "duration",
-        "max gap",
-        "events",
-        "[DONE]",
-        "finish",
-        "termination",
-        "stalls",
-    ):
-        reqs.add_column(col, no_wrap=True)
-    for r in result["requests"]:
-        stalls = ",".join(f"{s['direction']}" for s in r["stalls"]) or "-"
-        termination = r["termination"]
-        if r["close"]:
-            termination += f" ({r['close']}{', mid-event' if r['mid_event'] else ''})"
-        reqs.add_row(
-            r["id"],
-            _rel(r["start"], origin),
-            _ms(r["idle_before"]) if r["reused"] else "fresh",
-            f"{r['method']} {r['target']}",
-            r["request_id"] or "-",
-            str(r["status"] or "-"),
-            _ms(r["ttfb"]),
-            _ms(r["first_token"]),
-            _ms(r["duration"]),
-            _ms(r["max_gap"]),
-            str(r["events"]) if r["sse"] else "-",
-            ("yes" if r["done"] else "no") if r["sse"] else "-",
-            r["finish_reason"] or "-",
-            termination,
-            stalls,
-        )
-    console.print(reqs)
-    return buf.getvalue()
+    def connection_cells() -> Iterator[list[str]]:
+        for c in result["connections"]:
+            upstream = c["upstream_error"] or c["upstream_local"] or "-"
+            yield [
+                c["id"],
+                c["peer"],
+                _rel(c["opened"], origin),
+                str(c["requests"]),
+                c["closed_by"] or "open",
+                c["how"] or "-",
+                c["half_close"] or "-",
+                "-"
+                if c["in_flight_at_close"] is None
+                else ("yes" if c["in_flight_at_close"] else "no"),
+                str(c["bytes_from_client"] if c["bytes_from_client"] is not None else "-"),
+                str(c["bytes_from_upstream"] if c["bytes_from_upstream"] is not None else "-"),
+                upstream,
+            ]
+
+    def request_cells() -> Iterator[list[str]]:
+        for r in result["requests"]:
+            stalls = ",".join(f"{s['direction']}" for s in r["stalls"]) or "-"
+            termination = r["termination"]
+            if r["close"]:
+                termination += f" ({r['close']}{', mid-event' if r['mid_event'] else ''})"
+            yield [
+                r["id"],
+                _rel(r["start"], origin),
+                _ms(r["idle_before"]) if r["reused"] else "fresh",
+                f"{r['method']} {r['target']}",
+                r["request_id"] or "-",
+                str(r["status"] or "-"),
+                _ms(r["ttfb"]),
+                _ms(r["first_token"]),
+                _ms(r["duration"]),
+                _ms(r["max_gap"]),
+                str(r["events"]) if r["sse"] else "-",
+                ("yes" if r["done"] else "no") if r["sse"] else "-",
+                r["finish_reason"] or "-",
+                termination,
+                stalls,
+            ]
+
+    _write_table(console, "connections", CONNECTION_COLUMNS, connection_cells)
+    _write_table(console, "requests", REQUEST_COLUMNS, request_cells)
+
+
+def _console(out: TextIO, width: int) -> Console:
+    return Console(file=out, width=width, color_system=None, force_terminal=False, highlight=False)
+
+
+def _table(title: str | None, columns: Iterable[str]) -> Table:
+    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    for col in columns:
+        table.add_column(col, no_wrap=True)
+    return table
+
+
+def _cell_width(console: Console, cell: str) -> int:
+    """The width rich measures for a table cell (markup and emoji codes included)."""
+    if cell.isascii() and cell.isprintable() and "[" not in cell and ":" not in cell:
+        return len(cell)
+    return Measurement.get(console, console.options, cell).maximum
+
+
+def _write_table(
+    console: Console,
+    title: str,
+    columns: tuple[str, ...],
+    rows: Callable[[], Iterator[list[str]]],
+) -> None:
+    """A rich table with the bytes rich gives for all rows at once, rendered in chunks.
+
+    Every column is ``no_wrap``, so rich sizes a column by its widest cell alone. A first
+    pass measures the columns; each chunk is then rendered with an extra first row as
+    wide as the widest cell of each column, so every chunk gets the whole table's widths,
+    and that row (with the header, repeated) is cut from the chunk's output.
+    """
+    widths = [0] * len(columns)
+    count = 0
+    for cells in rows():
+        count += 1
+        for i, cell in enumerate(cells):
+            w = _cell_width(console, cell)
+            if w > widths[i]:
+                widths[i] = w
+    if count == 0:
+        console.print(_table(title, columns))
+        return
+    widest = ["x" * w for w in widths]
+
+    def render(table_title: str | None, chunk: Iterable[list[str]]) -> list[str]:
+        buf = io.StringIO()
+        table = _table(table_title, columns)
+        table.add_row(*widest)
+        for cells in chunk:
+            table.add_row(*cells)
+        _console(buf, console.width).print(table)
+        return buf.getvalue().splitlines(keepends=True)
+
+    head = render(title, [])
+    console.file.write("".join(head[:-1]))  # title and header, not the widest row
+    skip = len(render(None, []))  # the header and the widest row
+    for chunk in batched(rows(), TABLE_CHUNK):
+        console.file.write("".join(render(None, chunk)[skip:]))
 
 
 def _md_cell(value: Any) -> str:
@@ -187,7 +301,13 @@ def _md_cell(value: Any) -> str:
 
 
 def to_markdown(result: dict[str, Any]) -> str:
-    """Verdict first, then findings and the tables, as Markdown."""
+    buf = io.StringIO()
+    write_markdown(result, buf)
+    return buf.getvalue()
+
+
+def write_markdown(result: dict[str, Any], stream: TextIO) -> None:
+    """Verdict first, then findings and the tables, as Markdown, a row at a time."""
     origin = result["time_range"]["start"] or 0.0
     v = result.get("verdict") or {}
     out = [
@@ -216,14 +336,24 @@ def to_markdown(result: dict[str, Any]) -> str:
             out.append(f"- to settle: {f['settle']}")
         out.append("")
     out += [
+        *(
+            [
+                f"**Warning:** {result['totals']['late_events_ignored']} events came after "
+                "their row was written out, and were ignored.",
+                "",
+            ]
+            if result["totals"].get("late_events_ignored")
+            else []
+        ),
         "## Requests",
         "",
         "| request | start | idle before | method target | x-request-id | status | ttfb | "
         "first token | duration | events | [DONE] | termination |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    stream.write("\n".join(out) + "\n")
     for r in result["requests"]:
-        out.append(
+        stream.write(
             "| "
             + " | ".join(
                 _md_cell(x)
@@ -242,17 +372,18 @@ def to_markdown(result: dict[str, Any]) -> str:
                     r["termination"],
                 )
             )
-            + " |"
+            + " |\n"
         )
-    out += [
+    out = [
         "",
         "## Connections",
         "",
         "| connection | peer | requests | closed by | how | in flight at close |",
         "|---|---|---|---|---|---|",
     ]
+    stream.write("\n".join(out) + "\n")
     for c in result["connections"]:
-        out.append(
+        stream.write(
             "| "
             + " | ".join(
                 _md_cell(x)
@@ -265,6 +396,5 @@ def to_markdown(result: dict[str, Any]) -> str:
                     c["in_flight_at_close"],
                 )
             )
-            + " |"
+            + " |\n"
         )
-    return "\n".join(out) + "\n"
