@@ -445,3 +445,36 @@ async def test_request_on_a_connection_the_upstream_closed_is_the_client(tmp_pat
     result = await analyze_many(capture)
     found = {(f["party"], f["kind"]) for f in result["findings"]}
     assert ("client", "client_reused_closed_connection") in found, result["findings"]
+
+
+async def test_a_hop_that_bunches_events_is_where_delivery_coalesces(tmp_path: Path) -> None:
+    """A hop that sends each event late and in bunches ~40 ms apart (`--fault
+    coalesce:0.04`: Nagle meeting delayed ACKs): steady at the tap behind it, bunched at
+    the tap in front; the finding names the hop between the two taps."""
+    front, back = tmp_path / "front.jsonl", tmp_path / "back.jsonl"
+    async with engine_running(ttft=0.0, itl=0.005) as sim:
+        async with tracer_proxy(
+            "proxy", "--listen", "127.0.0.1:0", "--upstream", sim.url,
+            "--tap", "back", "--capture", str(back),
+        ) as back_tap:  # fmt: skip
+            async with tracer_proxy(
+                "proxy", "--listen", "127.0.0.1:0", "--upstream", back_tap.url,
+                "--tap", "hop", "--fault", "coalesce:0.04",
+            ) as hop:  # fmt: skip
+                async with tracer_proxy(
+                    "proxy", "--listen", "127.0.0.1:0", "--upstream", hop.url,
+                    "--tap", "front", "--capture", str(front),
+                ) as front_tap:  # fmt: skip
+                    async with httpx.AsyncClient(timeout=20) as client:
+                        body = {**BODY, "max_tokens": 100}
+                        async with client.stream(
+                            "POST", front_tap.url + "/v1/chat/completions", json=body
+                        ) as r:
+                            chunks = [c async for c in r.aiter_bytes()]
+    assert b"".join(chunks).endswith(b"data: [DONE]\n\n")
+    result = await analyze_many(front, back)
+    by_tap = {r["tap"]: r for r in result["requests"]}
+    assert by_tap["back"]["bunch_gaps"] < 5 < by_tap["front"]["bunch_gaps"], by_tap
+    found = [f for f in result["findings"] if f["kind"] == "delivery_coalesced"]
+    assert found and found[0]["party"] == "proxy", result["findings"]
+    assert "between tap front and tap back" in found[0]["summary"], found[0]

@@ -261,13 +261,13 @@ async def engine_stall(d: Demo) -> list[Path]:
 
 async def engine_queueing(d: Demo) -> list[Path]:
     """More sessions than the engine runs at once: slow first tokens, because busy."""
-    e1 = await d.engine("engine-1", "--ttft", "0.05", "--itl", "0.01", "--max-running", "2")
+    e1 = await d.engine("engine-1", "--ttft", "0.05", "--itl", "0.02", "--max-running", "2")
     d.step(f"engine {e1.url} (runs 2 requests at a time)")
     cap = d.out / "tap.jsonl"
     tap = await d.proxy(
         "tap", e1.url, "--capture", str(cap), *TAP_OPTIONS, "--engine-metrics", f"{e1.url}/metrics"
     )
-    await d.harness(tap.url, sessions=12, rounds=2, think=0.1, max_tokens=20, deadline=20.0)
+    await d.harness(tap.url, sessions=12, rounds=2, think=0.1, max_tokens=40, deadline=30.0)
     await stop(tap)
     return [cap]
 
