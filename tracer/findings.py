@@ -43,6 +43,7 @@ CONFIDENCE = {"high": 0, "medium": 1, "low": 2}
 ENGINE_PROFILES = {"sglang", "vllm", "llamacpp"}
 ROUTER_PROFILES = {"smg", "sgl_router"}
 SLOW_FIRST_TOKEN = 2.0  # seconds: below this a first token is never "slow"
+MAX_QUOTED = 10  # requests quoted one by one in a note about many
 IDLE_REUSE_RACE = 1.0  # seconds idle before a request for a stale-connection race
 UPSTREAM_GONE = "upstream already closed"  # the observer's detail for such a request
 SPILL_ITEMS = 16384  # join records (a few small fields each) in memory before a run spills
@@ -1060,30 +1061,44 @@ def _coalesced_between(r: RequestRow, steady: RequestRow) -> dict[str, Any]:
 
 
 def analyze_load(ctx: Context) -> list[dict[str, Any]]:
-    """Slow first tokens while the engine was busy: load, with the figures — not a fault."""
+    """Slow first tokens while the engine was busy: load, with the figures — not a fault.
+
+    One note per tap, over all its requests that waited (quoting the first
+    ``MAX_QUOTED``), with the engine's figures over the whole span of the waits.
+    """
+    slow: dict[str, list[RequestRow]] = defaultdict(list)
+    for r in ctx.interesting:
+        if r.first_token is None or r.first_token < SLOW_FIRST_TOKEN:
+            continue
+        if ctx.engine_view(r.start, r.start + r.first_token).busy:
+            slow[r.tap].append(r)
     out: list[dict[str, Any]] = []
-    slow = [
-        r
-        for r in ctx.interesting
-        if r.first_token is not None and r.first_token >= SLOW_FIRST_TOKEN
-    ]
-    for r in slow:
-        view = ctx.engine_view(r.start, r.start + r.first_token)  # type: ignore[operator]
-        if view.busy:
-            out.append(
-                _finding(
-                    "engine_queueing",
-                    "engine",
-                    f"Slow first token ({r.first_token:.2f} s) because the engine was busy — "
-                    "load, not a fault, and not a cold start.",
-                    [r],
-                    [_req_quote(r), view.quote()],
-                    [],
-                    "high",
-                    note=True,
-                    t=r.start,
-                )
+    for tap, rows in sorted(slow.items()):
+        waits = sorted(r.first_token or 0.0 for r in rows)
+        start = min(r.start for r in rows)
+        end = max(r.start + (r.first_token or 0.0) for r in rows)
+        median = waits[len(waits) // 2]
+        evidence = [ctx.engine_view(start, end).quote()]
+        evidence += [
+            f"{_req_quote(r)}: first token after {r.first_token:.3f} s" for r in rows[:MAX_QUOTED]
+        ]
+        if len(rows) > MAX_QUOTED:
+            evidence.append(f"... and {len(rows) - MAX_QUOTED} more request(s) like these")
+        out.append(
+            _finding(
+                "engine_queueing",
+                "engine",
+                f"{len(rows)} request(s) at tap {tap} waited {median:.2f} s (median; up to "
+                f"{waits[-1]:.2f} s) for their first token because the engine was busy — "
+                "load, not a fault, and not a cold start.",
+                rows,
+                evidence,
+                [],
+                "high",
+                note=True,
+                t=start,
             )
+        )
     return out
 
 
