@@ -400,3 +400,21 @@ def _bunched_cap(tap: str, t: float) -> Cap:
     cap = Cap(tap, upstream=ROUTER)
     _bunched(cap, t, bunched=True)
     return cap
+
+
+def test_a_retry_with_the_same_id_is_another_request() -> None:
+    """The first attempt hangs in the proxy; the client gives up and retries with the same
+    x-request-id on a fresh connection, which gets through: the hang is still the proxy's."""
+    front = Cap("front", upstream=PROXY)
+    back = Cap("back", upstream=ROUTER, t0=1000.0)
+    for seq in (1, 2):
+        front.exchange(1, seq, seq * 1.0, rid=f"r{seq}", idle=0.5 if seq > 1 else 0)
+        back.exchange(1, seq, seq * 1.0 + 0.002, rid=f"r{seq}", idle=0.5 if seq > 1 else 0)
+    front.exchange(1, 3, 3.0, rid="r3", idle=0.5, end="client_abort")
+    front.stall(1, 3, 3.0, 8.0)
+    front.exchange(2, 1, 9.0, rid="r3")  # the retry
+    back.exchange(2, 1, 9.002, rid="r3")
+    result = analyze(front, back)
+    v = result["verdict"]
+    assert (v["party"], v["kind"]) == ("proxy", "proxy_hung_on_reuse"), result["findings"]
+    assert "between tap front and tap back" in v["summary"]

@@ -44,6 +44,7 @@ ENGINE_PROFILES = {"sglang", "vllm", "llamacpp"}
 ROUTER_PROFILES = {"smg", "sgl_router"}
 SLOW_FIRST_TOKEN = 2.0  # seconds: below this a first token is never "slow"
 MAX_QUOTED = 10  # requests quoted one by one in a note about many
+JOIN_SLACK = 1.0  # seconds: clock offset between taps tolerated when joining by time
 IDLE_REUSE_RACE = 1.0  # seconds idle before a request for a stale-connection race
 UPSTREAM_GONE = "upstream already closed"  # the observer's detail for such a request
 SPILL_ITEMS = 16384  # join records (a few small fields each) in memory before a run spills
@@ -306,11 +307,12 @@ class Context:
                 if joining:
                     rel = _relevant_at_front(r, end)
                     coal = _delivery_kind(r) == "coalesced"
+                    end_at = r.end if r.end is not None else -1.0  # (-1: still open)
                     if r.request_id:
-                        by_id.add((f"id:{r.request_id}", r.tap, r.start, pos, rel, coal))
+                        by_id.add((f"id:{r.request_id}", r.tap, r.start, pos, rel, coal, end_at))
                     else:
                         fingerprint = f"{r.method} {r.target} {r.body_sha256}"
-                        by_print.add((r.tap, fingerprint, r.start, pos, rel, coal))
+                        by_print.add((r.tap, fingerprint, r.start, pos, rel, coal, end_at))
             if joining and len(self.counts) >= 2:
                 self._join(by_id, by_print)
         finally:
@@ -348,28 +350,58 @@ class Context:
 
         A key is ``x-request-id`` when the client sent one; otherwise a fingerprint
         (method, target, body hash) and its occurrence number at that tap, in time order.
+        A key one tap saw again later (a retry with the same id, a replay) is several
+        requests: each joins the earliest group of its key that has no request from its
+        tap yet and whose first request was still open (or ended less than ``JOIN_SLACK``
+        before) when it started — a request cannot reach a tap after its client saw it end.
         """
         keyed: SortedSpool[tuple[Any, ...]] = _tuple_spool()
         try:
             for item in by_id:
                 keyed.add(item)
             previous, n = None, 0
-            for tap, fingerprint, start, pos, rel, coal in by_print:
+            for tap, fingerprint, start, pos, rel, coal, end_at in by_print:
                 n = n + 1 if previous == (tap, fingerprint) else 1
                 previous = (tap, fingerprint)
-                keyed.add((f"fp:{fingerprint}#{n}", tap, start, pos, rel, coal))
+                keyed.add((f"fp:{fingerprint}#{n}", tap, start, pos, rel, coal, end_at))
             key: str | None = None
-            group: _Group | None = None
-            for k, tap, start, pos, rel, coal in keyed:
-                if k != key:
-                    self._close_group(group)
-                    key, group = k, _Group(first=(tap, start, pos), members={})
-                assert group is not None
-                group.members.setdefault(tap, (start, pos, rel, coal))
-            self._close_group(group)
+            items: list[tuple[Any, ...]] = []
+            for item in keyed:
+                if item[0] != key:
+                    self._group_key(items)
+                    key, items = item[0], []
+                items.append(item)
+            self._group_key(items)
         finally:
             keyed.close()
         self._groups.sort(key=lambda g: g.first)
+
+    def _group_key(self, items: list[tuple[Any, ...]]) -> None:
+        """The requests of one key (a handful) into groups (see ``_join``).
+
+        Seen once per tap, they are one request whatever the clocks say (taps on
+        different machines may be seconds apart); only a key a tap saw again is split
+        by time.
+        """
+        if not items:
+            return
+        taps = [item[1] for item in items]
+        if len(set(taps)) == len(taps):
+            _, tap, start, pos, *_ = items[0]
+            members = {i[1]: (i[2], i[3], i[4], i[5]) for i in items}
+            self._close_group(_Group(first=(tap, start, pos), members=members))
+            return
+        groups: list[tuple[_Group, float]] = []  # with the first request's end (inf: open)
+        for _, tap, start, pos, rel, coal, end_at in sorted(items, key=lambda i: i[2]):
+            for group, first_end in groups:
+                if tap not in group.members and start <= first_end + JOIN_SLACK:
+                    group.members[tap] = (start, pos, rel, coal)
+                    break
+            else:
+                group = _Group(first=(tap, start, pos), members={tap: (start, pos, rel, coal)})
+                groups.append((group, end_at if end_at >= 0 else math.inf))
+        for group, _ in groups:
+            self._close_group(group)
 
     def _close_group(self, group: _Group | None) -> None:
         if group is None:
