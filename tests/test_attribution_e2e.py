@@ -478,3 +478,52 @@ async def test_a_hop_that_bunches_events_is_where_delivery_coalesces(tmp_path: P
     found = [f for f in result["findings"] if f["kind"] == "delivery_coalesced"]
     assert found and found[0]["party"] == "proxy", result["findings"]
     assert "between tap front and tap back" in found[0]["summary"], found[0]
+
+
+async def test_queueing_under_load_is_a_load_note_not_a_fault(tmp_path: Path) -> None:
+    """More streams than the engine runs at once: the later ones wait seconds for their
+    first token while running/queued are high and the counters rise — load, no fault."""
+    capture = tmp_path / "cap.jsonl"
+    async with engine_running(ttft=0.0, itl=0.02, max_running=1) as sim:
+        async with tracer_proxy(
+            "proxy", "--listen", "127.0.0.1:0", "--upstream", sim.url,
+            "--capture", str(capture), "--engine-metrics", f"{sim.url}/metrics",
+            "--metrics-interval", "0.1", "--stall-after", "0.5",
+        ) as proc:  # fmt: skip
+            async with httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as tg:
+                body = {**BODY, "max_tokens": 40}  # ~0.8 s each, one at a time
+                for _ in range(5):
+                    tg.start_soon(_stream_body, client, proc.url, body)
+    result = await analyze(capture)
+    assert result["verdict"]["kind"] == "healthy", result["findings"]
+    notes = [f for f in result["findings"] if f["note"]]
+    assert [f["kind"] for f in notes] == ["engine_queueing"], result["findings"]
+    assert len(notes[0]["requests"]) >= 2 and "not a cold start" in notes[0]["summary"]
+    assert any("queued≤" in e and "queued≤0" not in e for e in notes[0]["evidence"])
+
+
+async def _stream_body(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> None:
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        async for _ in r.aiter_bytes():
+            pass
+
+
+async def test_an_engine_that_is_gone_is_unreachable(tmp_path: Path) -> None:
+    """The engine process is gone (nothing listens on its port): the tap answers 502 and
+    the finding says the upstream was unreachable, with the connect error quoted."""
+    from .test_cli_proxy import _free_port
+
+    capture = tmp_path / "cap.jsonl"
+    port = await _free_port()  # nothing listens there
+    async with tracer_proxy(
+        "proxy", "--listen", "127.0.0.1:0", "--upstream", f"http://127.0.0.1:{port}",
+        "--capture", str(capture),
+    ) as proc:  # fmt: skip
+        async with httpx.AsyncClient(timeout=5) as client:
+            r = await client.post(proc.url + "/v1/chat/completions", json=BODY)
+            assert r.status_code == 502
+    result = await analyze(capture)
+    v = result["verdict"]
+    assert v["kind"] == "upstream_unreachable" and v["party"] in ("engine", "unknown"), v
+    finding = result["findings"][0]
+    assert any("refused" in e.lower() for e in finding["evidence"]), finding["evidence"]

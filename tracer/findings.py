@@ -896,7 +896,9 @@ def analyze_upstream_endings(ctx: Context) -> list[dict[str, Any]]:
                     "engine" if serving else "unknown",
                     "The tap could not connect to its upstream.",
                     [r],
-                    evidence,
+                    [*evidence, f"the tap's connect to its upstream failed: {r.detail}"]
+                    if r.detail
+                    else evidence,
                     [{"party": "client", "why": "the request reached the tap"}],
                     "high",
                     settle=None if serving else "is the tap's upstream a proxy or the router?",

@@ -603,7 +603,8 @@ class _Relay:
         ).encode()
         self._first("tracer", "tracer")
         try:
-            self.obs.tracer_response(time.monotonic(), status, reason)
+            detail = body.strip().removeprefix("tracer: ")
+            self.obs.tracer_response(time.monotonic(), status, reason, detail)
         except Exception:
             log.exception("observer failed recording the tap's own response", conn=self.id)
         self.connecting = False

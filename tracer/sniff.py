@@ -325,8 +325,11 @@ class ConnectionObserver:
             )
         )
 
-    def tracer_response(self, m: float, status: int, reason: str) -> None:
-        """Record a response the tap wrote itself (upstream unreachable, bad request)."""
+    def tracer_response(
+        self, m: float, status: int, reason: str, detail: str | None = None
+    ) -> None:
+        """Record a response the tap wrote itself (upstream unreachable, bad request);
+        ``detail`` says why (the connect error), else the reason phrase does."""
         req = self._pending[0] if self._pending else None
         if req is None:
             self.seq += 1
@@ -349,7 +352,7 @@ class ConnectionObserver:
                 by_tracer=True,
             )
         )
-        self._end_response(req, m, "tracer_response", detail=reason)
+        self._end_response(req, m, "tracer_response", detail=detail or reason)
         self.blind = True
 
     # ---- requests ---------------------------------------------------------------------
