@@ -674,6 +674,7 @@ class Summary:
                 "health_samples": len(self.health_samples),
                 "injected_faults": len(self.faults),
                 "marks": marks,
+                "tap_pairs": evidence.tap_pairs,
             },
         }
 

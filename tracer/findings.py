@@ -28,7 +28,9 @@ next), or in front of an idle engine whose fresh connections answer.
 
 from __future__ import annotations
 
+import itertools
 import math
+import statistics
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from collections.abc import Iterable
@@ -68,6 +70,9 @@ class Evidence:
     end: float | None = None
     request_taps: set[str] | None = None  # taps with parsed requests, when known up front
     sample_urls: set[str] | None = None  # engine and health URLs, when known up front
+    # filled by ``find``: adjacent taps, client side first, with the median of t(b) - t(a)
+    # over the requests both saw (clock offset plus the hop's transit time)
+    tap_pairs: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -175,19 +180,28 @@ class _PairOrder:
     largest non-positive and the smallest positive one.
     """
 
+    SAMPLE = 1024  # differences kept for the median's value (the first ones: deterministic)
+
     def __init__(self) -> None:
         self.positive = 0
         self.other = 0
         self.min_positive = math.inf
         self.max_other = -math.inf
+        self.sample: list[float] = []
 
     def add(self, d: float) -> None:
+        if len(self.sample) < self.SAMPLE:
+            self.sample.append(d)
         if d > 0:
             self.positive += 1
             self.min_positive = min(self.min_positive, d)
         else:
             self.other += 1
             self.max_other = max(self.max_other, d)
+
+    def median(self) -> float | None:
+        """The median difference over the first ``SAMPLE`` shared requests."""
+        return statistics.median(self.sample) if self.sample else None
 
     def later(self) -> bool | None:
         """Whether b sees requests after a (None: no shared request)."""
@@ -437,6 +451,24 @@ class Context:
     def seen_with(self, r: RequestRow) -> dict[str, RequestRow]:
         """A request whose events came bunched, as each tap saw it (empty when alone)."""
         return self._resolve()[1].get(r.id, {})
+
+    def tap_pairs(self) -> list[dict[str, Any]]:
+        """Adjacent taps (client side first) and how much later the second saw requests."""
+        out: list[dict[str, Any]] = []
+        for a, b in itertools.pairwise(self.order):
+            pair, sign = (
+                (self._pairs.get((a, b)), 1.0) if a < b else (self._pairs.get((b, a)), -1.0)
+            )
+            median = pair.median() if pair is not None else None
+            out.append(
+                {
+                    "from": a,
+                    "to": b,
+                    "shared": 0 if pair is None else pair.positive + pair.other,
+                    "median_delay": None if median is None else round(sign * median, 6),
+                }
+            )
+        return out
 
     def tap_behind(self, tap: str) -> str | None:
         """The next tap toward the engine."""
@@ -1278,6 +1310,7 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
 def find(e: Evidence) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """All findings (sorted, numbered) and the verdict."""
     ctx = Context(e)
+    e.tap_pairs = ctx.tap_pairs()
     findings: list[dict[str, Any]] = []
     for analyzer in ANALYZERS:
         findings += analyzer(ctx)

@@ -181,6 +181,17 @@ def write_text(result: dict[str, Any], out: TextIO, *, width: int = 200) -> None
     )
     terms = "  ".join(f"{k}={v}" for k, v in totals["terminations"].items()) or "-"
     console.print(f"terminations: {terms}")
+    for pair in result["evidence"].get("tap_pairs", []):
+        delay = pair["median_delay"]
+        seen = (
+            "no request seen by both"
+            if delay is None
+            else (
+                f"requests reach {pair['to']} {delay * 1000:+.1f} ms after {pair['from']} "
+                f"(median over {pair['shared']} shared; clock offset plus the hop's transit)"
+            )
+        )
+        console.print(f"tap order: {pair['from']} -> {pair['to']}: {seen}")
     if totals["capture_records_lost"]:
         console.print(f"WARNING: the capture lost {totals['capture_records_lost']} records")
     if totals.get("late_events_ignored"):
