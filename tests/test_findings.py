@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from tracer import events as ev
 from tracer.analysis import Summary
 
@@ -418,3 +420,15 @@ def test_a_retry_with_the_same_id_is_another_request() -> None:
     v = result["verdict"]
     assert (v["party"], v["kind"]) == ("proxy", "proxy_hung_on_reuse"), result["findings"]
     assert "between tap front and tap back" in v["summary"]
+
+
+def test_tap_pairs_give_the_order_and_the_median_delay() -> None:
+    front = Cap("front", upstream=PROXY)
+    back = Cap("back", upstream=ROUTER, t0=1000.0 + 30.0)  # back's clock 30 s ahead
+    for seq in (1, 2, 3):
+        front.exchange(1, seq, seq * 1.0, rid=f"r{seq}", idle=0.5 if seq > 1 else 0)
+        back.exchange(1, seq, seq * 1.0 + 0.002, rid=f"r{seq}", idle=0.5 if seq > 1 else 0)
+    pairs = analyze(back, front)["evidence"]["tap_pairs"]
+    assert len(pairs) == 1
+    assert (pairs[0]["from"], pairs[0]["to"], pairs[0]["shared"]) == ("front", "back", 3)
+    assert pairs[0]["median_delay"] == pytest.approx(30.002, abs=1e-6)
