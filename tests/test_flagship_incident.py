@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,32 @@ from .test_router_chain import router
 from .test_sim_engine import SMG, engine_running
 
 pytestmark = pytest.mark.anyio
+
+
+@asynccontextmanager
+async def taps_around_a_hanging_proxy(
+    upstream: str, front: Path, back: Path, evidence: list[str]
+) -> AsyncIterator[tuple[str, str]]:
+    """tap "back" -> a proxy that hangs on the 3rd request of a reused keep-alive
+    connection (`tracer proxy --fault hang-on-reuse:3`) -> tap "front" (with probes);
+    yields (the front tap's URL, the proxy's URL)."""
+    taps = ["--stall-after", "0.5", *evidence]
+    async with (
+        tracer_proxy(
+            "proxy", "--listen", "127.0.0.1:0", "--upstream", upstream,
+            "--tap", "back", "--capture", str(back), *taps,
+        ) as back_tap,
+        tracer_proxy(
+            "proxy", "--listen", "127.0.0.1:0", "--upstream", back_tap.url,
+            "--tap", "faulty", "--fault", "hang-on-reuse:3",
+        ) as faulty,
+        tracer_proxy(
+            "proxy", "--listen", "127.0.0.1:0", "--upstream", faulty.url,
+            "--tap", "front", "--capture", str(front), *taps,
+            "--probe-on-stall", "--probe-interval", "0.5",
+        ) as front_tap,
+    ):  # fmt: skip
+        yield front_tap.url, faulty.url
 
 
 async def analyze(*args: str) -> dict[str, Any]:
@@ -56,53 +84,13 @@ async def test_hang_on_reuse_behind_a_proxy_is_blamed_on_the_proxy(tmp_path: Pat
             "--metrics-interval",
             "0.2",
         ]
-        async with (
-            tracer_proxy(
-                "proxy",
-                "--listen",
-                "127.0.0.1:0",
-                "--upstream",
-                router_url,
-                "--tap",
-                "back",
-                "--capture",
-                str(back),
-                "--stall-after",
-                "0.5",
-                *evidence,
-            ) as back_tap,
-            tracer_proxy(
-                "proxy",
-                "--listen",
-                "127.0.0.1:0",
-                "--upstream",
-                back_tap.url,
-                "--tap",
-                "faulty",
-                "--fault",
-                "hang-on-reuse:3",
-            ) as faulty,
-            tracer_proxy(
-                "proxy",
-                "--listen",
-                "127.0.0.1:0",
-                "--upstream",
-                faulty.url,
-                "--tap",
-                "front",
-                "--capture",
-                str(front),
-                "--stall-after",
-                "0.5",
-                "--probe-on-stall",
-                "--probe-interval",
-                "0.5",
-                *evidence,
-            ) as front_tap,
+        async with taps_around_a_hanging_proxy(router_url, front, back, evidence) as (
+            front_url,
+            _,
         ):
             report = await run_harness(
                 HarnessConfig(
-                    base_url=front_tap.url,
+                    base_url=front_url,
                     sessions=2,
                     rounds=4,
                     think=0.2,

@@ -33,6 +33,7 @@ from tracer.sim.harness import HarnessConfig, run_harness
 from tracer.timeline import LANE_COLOUR
 
 from .test_cli_proxy import tracer_proxy
+from .test_flagship_incident import taps_around_a_hanging_proxy
 from .test_sim_engine import engine_running
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -51,53 +52,13 @@ async def _hang_on_reuse(tmp: Path) -> Incident:
     front, back = tmp / "front.jsonl", tmp / "back.jsonl"
     async with engine_running(ttft=0.0, itl=0.002) as sim:
         evidence = ["--engine-metrics", f"{sim.url}/metrics", "--metrics-interval", "0.2"]
-        async with (
-            tracer_proxy(
-                "proxy",
-                "--listen",
-                "127.0.0.1:0",
-                "--upstream",
-                sim.url,
-                "--tap",
-                "back",
-                "--capture",
-                str(back),
-                "--stall-after",
-                "0.5",
-                *evidence,
-            ) as back_tap,
-            tracer_proxy(
-                "proxy",
-                "--listen",
-                "127.0.0.1:0",
-                "--upstream",
-                back_tap.url,
-                "--tap",
-                "faulty",
-                "--fault",
-                "hang-on-reuse:3",
-            ) as faulty,
-            tracer_proxy(
-                "proxy",
-                "--listen",
-                "127.0.0.1:0",
-                "--upstream",
-                faulty.url,
-                "--tap",
-                "front",
-                "--capture",
-                str(front),
-                "--stall-after",
-                "0.5",
-                "--probe-on-stall",
-                "--probe-interval",
-                "0.5",
-                *evidence,
-            ) as front_tap,
+        async with taps_around_a_hanging_proxy(sim.url, front, back, evidence) as (
+            front_url,
+            faulty_url,
         ):
             report = await run_harness(
                 HarnessConfig(
-                    base_url=front_tap.url,
+                    base_url=front_url,
                     sessions=2,
                     rounds=4,
                     think=0.2,
@@ -106,7 +67,7 @@ async def _hang_on_reuse(tmp: Path) -> Incident:
                 )
             )
     hung = sum(1 for r in report.rounds if r.outcome == "hung")
-    return Incident(front=front, back=back, front_upstream=faulty.url, hung=hung)
+    return Incident(front=front, back=back, front_upstream=faulty_url, hung=hung)
 
 
 @pytest.fixture(scope="module")

@@ -277,7 +277,8 @@ def _engine_arguments(p: argparse.ArgumentParser, *, required: bool = False) -> 
     )
 
 
-def _poller(args: argparse.Namespace, tap: str, emit: Any, wall_offset: float) -> Any:
+def engine_poller(args: argparse.Namespace, tap: str, emit: Any, wall_offset: float) -> Any:
+    """The engine poller the evidence options ask for (``_engine_arguments``), or None."""
     from .poller import EnginePoller, PollerConfig
 
     if not args.engine_metrics and not args.health:
@@ -287,7 +288,7 @@ def _poller(args: argparse.Namespace, tap: str, emit: Any, wall_offset: float) -
         interval=args.metrics_interval,
         timeout=args.metrics_timeout,
         health_urls=list(args.health),
-        keep_raw=args.keep_raw_metrics,
+        keep_raw=getattr(args, "keep_raw_metrics", False),
         profile=args.engine_profile,
     )
     return EnginePoller(config, tap=tap, emit=emit, wall_offset=wall_offset)
@@ -360,7 +361,7 @@ def _proxy(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise ValueError(f"cannot open capture {args.capture}: {exc.strerror or exc}") from exc
     tap = Tap(config, capture=writer)
-    poller = _poller(args, config.name, tap.safe_emit, tap.wall_offset)
+    poller = engine_poller(args, config.name, tap.safe_emit, tap.wall_offset)
     if args.probe_on_stall:
         from .probes import ProbeConfig, Prober, engine_base
 
@@ -469,7 +470,7 @@ def _watch(args: argparse.Namespace) -> int:
             },
         )
     )
-    poller = _poller(args, args.tap, writer.write, wall)
+    poller = engine_poller(args, args.tap, writer.write, wall)
     reason = "stopped"
 
     async def run() -> None:

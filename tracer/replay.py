@@ -712,21 +712,10 @@ async def _run(tap: Tap, client: Client, jobs: list[Job], poller: Any) -> None:
 
 
 def _poller(args: argparse.Namespace, tap: Tap) -> Any:
-    """The engine poller, as ``tracer proxy`` builds it (``cli._poller``)."""
-    if not args.engine_metrics and not args.health:
-        return None
-    from .poller import EnginePoller, PollerConfig
+    """The engine poller, as ``tracer proxy`` builds it."""
+    from .cli import engine_poller
 
-    config = PollerConfig(
-        urls=list(args.engine_metrics),
-        interval=args.metrics_interval,
-        timeout=args.metrics_timeout,
-        health_urls=list(args.health),
-        profile=args.engine_profile,
-    )
-    return EnginePoller(
-        config, tap=tap.config.name, emit=tap.safe_emit, wall_offset=tap.wall_offset
-    )
+    return engine_poller(args, tap.config.name, tap.safe_emit, tap.wall_offset)
 
 
 def _header(text: str) -> tuple[str, str]:
