@@ -144,6 +144,7 @@ class Scheduler:
         self._last_decode_log = time.monotonic()
         self._last_log = time.monotonic()
         self._wedged_until = 0.0
+        self._step_end: float | None = None  # when the decode step under way ends
         self._wake = anyio.Event()
         self.progress = anyio.Event()  # set (and replaced) whenever tokens are produced
         self.last_progress = 0.0
@@ -284,7 +285,15 @@ class Scheduler:
         step = cfg.itl * (1.0 + cfg.batch_alpha * (n - 1))
         now = time.monotonic()
         if any(r.every_step and r.due <= now for r in self.running):
-            await anyio.sleep(step)
+            # steps back to back keep their own clock (as a GPU's do): the next one ends a
+            # step after the last one ended, however late the loop woke, so the rate is
+            # the configured one; after a pause (prefill, idle) the clock starts again
+            clock = anyio.current_time()
+            last = self._step_end
+            self._step_end = (
+                last + step if last is not None and clock - last < step else clock + step
+            )
+            await anyio.sleep_until(self._step_end)
         else:
             # nobody is due every step: sleep to the earliest due time, but wake for arrivals
             earliest = min(r.due for r in self.running)
