@@ -527,3 +527,53 @@ async def test_an_engine_that_is_gone_is_unreachable(tmp_path: Path) -> None:
     assert v["kind"] == "upstream_unreachable" and v["party"] in ("engine", "unknown"), v
     finding = result["findings"][0]
     assert any("refused" in e.lower() for e in finding["evidence"]), finding["evidence"]
+
+
+async def _through_a_faulty_hop(tmp_path: Path, hop_fault: str, *, metrics: bool) -> dict[str, Any]:
+    """client -> tap (capture) -> `tracer proxy --fault HOP_FAULT` -> sim engine: one tap,
+    in front of a proxy that misbehaves; engine metrics only when ``metrics``."""
+    capture = tmp_path / "cap.jsonl"
+    async with engine_running(ttft=0.0, itl=0.02) as sim:
+        evidence = ["--engine-metrics", f"{sim.url}/metrics", "--metrics-interval", "0.1"]
+        async with tracer_proxy(
+            "proxy", "--listen", "127.0.0.1:0", "--upstream", sim.url,
+            "--tap", "hop", "--fault", hop_fault,
+        ) as hop:  # fmt: skip
+            async with tracer_proxy(
+                "proxy", "--listen", "127.0.0.1:0", "--upstream", hop.url,
+                "--capture", str(capture), "--stall-after", "0.5",
+                *(evidence if metrics else []),
+            ) as proc:  # fmt: skip
+                async with httpx.AsyncClient(timeout=3.0) as client:
+                    await _stream(client, proc.url, None)
+    return await analyze(capture)
+
+
+async def test_a_hop_holding_a_stream_while_the_engine_generates_is_the_proxy(
+    tmp_path: Path,
+) -> None:
+    """The hop stops relaying after 3 events for 2 s while the engine goes on generating
+    (its counters rise): tokens were made that did not reach the tap — the hop held them."""
+    result = await _through_a_faulty_hop(tmp_path, "stall-after-events:3:2", metrics=True)
+    v = result["verdict"]
+    assert (v["party"], v["kind"]) == ("proxy", "proxy_held_stream"), result["findings"]
+
+
+async def test_a_hop_cutting_a_stream_with_no_second_tap_is_a_cut_of_unknown_origin(
+    tmp_path: Path,
+) -> None:
+    """The hop closes after 3 events; one tap in front of it, upstream not the serving
+    stack: the stream was cut, and which hop cut it is left open with how to settle it."""
+    result = await _through_a_faulty_hop(tmp_path, "truncate-after-events:3", metrics=False)
+    v = result["verdict"]
+    assert (v["party"], v["kind"]) == ("unknown", "stream_cut"), result["findings"]
+    assert result["findings"][0]["settle"]
+
+
+async def test_silence_with_no_engine_evidence_is_upstream_silent_unknown(tmp_path: Path) -> None:
+    """The hop swallows the request; one tap in front and no engine metrics: nothing came
+    back, and the analysis says so without guessing, naming what would settle it."""
+    result = await _through_a_faulty_hop(tmp_path, "drop-request", metrics=False)
+    v = result["verdict"]
+    assert (v["party"], v["kind"]) == ("unknown", "upstream_silent"), result["findings"]
+    assert "--engine-metrics" in result["findings"][0]["settle"]

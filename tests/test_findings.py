@@ -432,3 +432,13 @@ def test_tap_pairs_give_the_order_and_the_median_delay() -> None:
     assert len(pairs) == 1
     assert (pairs[0]["from"], pairs[0]["to"], pairs[0]["shared"]) == ("front", "back", 3)
     assert pairs[0]["median_delay"] == pytest.approx(30.002, abs=1e-6)
+
+
+def test_a_clean_end_without_done_or_finish_reason_is_a_logical_truncation() -> None:
+    cap = Cap(upstream=ROUTER)
+    cap.exchange(1, 1, 0.0, events=4)
+    end = cap.events[-1]
+    assert isinstance(end, ev.ResponseEnd)
+    end.done, end.finish_reason = False, None  # the body ended cleanly, the stream did not
+    found = kinds(analyze(cap))
+    assert ("engine", "logical_truncation") in found or ("unknown", "logical_truncation") in found
