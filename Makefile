@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.analysis
 	$(BIN)/python -m bench.replay_fidelity
 	$(BIN)/python -m bench.loadgen_ceiling
+	$(BIN)/python -m bench.addon_instructions
 
 clean:
 	rm -rf $(VENV) demo-out bench-out

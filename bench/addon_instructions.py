@@ -1,0 +1,146 @@
+"""``python -m bench.addon_instructions``: what ``addons/trace.py`` costs mitmdump, counted
+in instructions (callgrind), so that the machine's load does not blur it.
+
+Three mitmdumps, one after the other, each under ``valgrind --tool=callgrind``, exactly as
+``bench/addon.py`` starts them: alone, with the do-nothing addon of the same hooks, with
+the trace addon writing a capture. Each gets a warm-up, then its counters are zeroed
+(``callgrind_control -z``), then the same fixed workload (``--requests`` streaming
+requests of 64 SSE events over 4 keep-alive connections, from ``bench.upstream``), then
+a dump (``-d``). Reported: instructions per event and the ratios to mitmdump alone.
+Instructions are not time (cache misses are not counted), but they repeat to the last
+digit, which the throughput ratios of ``bench.run --scenarios addon`` do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import peers
+from .addon import HOOKS_SCRIPT
+from .procs import free_port, wait_port
+from .run import REPO
+
+EVENTS_PER_REQUEST = 65  # 64 events and [DONE]
+REQUEST = (
+    b"POST /stream HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    b"content-length: 2\r\n\r\n{}"
+)
+
+
+def _drive(port: int, requests: int, deadline: float) -> int:
+    """``requests`` streaming requests over 4 keep-alive connections; how many completed."""
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=120) for _ in range(4)]
+    done = 0
+    try:
+        while done < requests and time.monotonic() < deadline:
+            for s in socks:
+                s.sendall(REQUEST)
+            for s in socks:
+                buf = b""
+                while not buf.endswith(b"0\r\n\r\n"):
+                    got = s.recv(65536)
+                    if not got:
+                        raise RuntimeError("mitmdump closed the connection")
+                    buf += got
+                done += 1
+    finally:
+        for s in socks:
+            s.close()
+    return done
+
+
+def _summary(path: Path) -> int:
+    for line in path.read_text().splitlines():
+        if line.startswith("summary:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no summary in {path}")
+
+
+def measure(name: str, upstream: int, out: Path, requests: int) -> tuple[int, int]:
+    """(instructions, events) for one mitmdump variant."""
+    port = free_port()
+    script = out / "mitm_stream.py"
+    script.write_text(peers.MITM_SCRIPT)
+    argv = [str(Path(sys.executable).parent / "mitmdump")]
+    argv += ["--mode", f"reverse:http://127.0.0.1:{upstream}", "--listen-host", "127.0.0.1"]
+    argv += ["-p", str(port), "-q", "--set", "stream_large_bodies=1"]
+    argv += ["--set", f"confdir={out / 'mitmproxy'}", "-s", str(script)]
+    if name == "hooks":
+        hooks = out / "mitm_hooks.py"
+        hooks.write_text(HOOKS_SCRIPT)
+        argv += ["-s", str(hooks)]
+    elif name == "trace":
+        capture = out / "instructions-tap.jsonl"
+        capture.unlink(missing_ok=True)
+        argv += ["-s", str(REPO / "addons" / "trace.py"), "--set", f"tracer_capture={capture}"]
+    base = out / f"callgrind.{name}"
+    for old in out.glob(f"callgrind.{name}*"):
+        old.unlink()
+    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={base}.%p", *argv]
+    log = (out / f"callgrind-{name}.log").open("wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        wait_port(port, proc, timeout=300)
+        deadline = time.monotonic() + 600
+        _drive(port, 8, deadline)  # warm-up: imports, first connections
+        subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True, capture_output=True)
+        done = _drive(port, requests, deadline)
+        subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True, capture_output=True)
+        dump = Path(f"{base}.{proc.pid}.1")
+        for _ in range(200):  # the dump is written by the process itself, soon after
+            if dump.exists() and "summary:" in dump.read_text():
+                break
+            time.sleep(0.1)
+        return _summary(dump), done * EVENTS_PER_REQUEST
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--out", default="bench-out")
+    a = p.parse_args(argv)
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        print("bench addon instructions: valgrind is not installed; skipped")
+        return 0
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    up_port = free_port()
+    upstream = subprocess.Popen(
+        [sys.executable, "-m", "bench.upstream", "--port", str(up_port)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_port(up_port, upstream, timeout=15)
+        per_event: dict[str, float] = {}
+        for name in ("mitmdump", "hooks", "trace"):
+            instructions, events = measure(name, up_port, out, a.requests)
+            per_event[name] = instructions / events
+            print(f"{name:9} {instructions / 1e6:9.1f} M instructions for {events} events")
+    finally:
+        upstream.terminate()
+        upstream.wait(10)
+    base = per_event["mitmdump"]
+    print(f"\ninstructions per SSE event (callgrind, {a.requests} streaming requests):")
+    for name, value in per_event.items():
+        print(f"  {name:9} {value / 1000:7.1f} k   x{value / base:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
