@@ -91,6 +91,7 @@ from tracer.sniff import (
     BODY_BATCH_READS,
     BODY_BATCH_SECONDS,
     MAX_BODY_KEEP,
+    ResponseState,
     count_sse,
     encode_body,
     end_stall,
@@ -146,53 +147,117 @@ class _Conn:
         self.in_flight_at_cause = False
 
 
-class _Flow:
+class ContentShape:
+    """The shape of a stream's plain content chunks: a shortcut past ``sse.classify``.
+
+    An engine writes its content chunks alike: the same bytes before the generated
+    text (``data: {"id":"…",…"delta":{"content":"``) and after it (``"},…}`` and the
+    blank line). Once ``sse.classify`` has called one such one-line event a plain
+    ``content`` chunk (no finish_reason, usage or error), any event made of the same
+    prefix, a non-empty text without ``"``, CR or LF, and the same suffix gets the same
+    answer from it: the classifier's patterns all begin with a ``"``, so none can start
+    inside the text, and the suffix (which must go on with ``,`` or ``}`` after the
+    closing quote) cannot complete one that began before. ``matches`` checks that in a
+    few byte comparisons instead of a classification.
+    """
+
+    __slots__ = ("_lp", "_ls", "prefix", "suffix")
+
+    def __init__(self) -> None:
+        self.prefix = self.suffix = b""
+        self._lp = self._ls = 0
+
+    def learn(self, event: bytes, sse: SseEvent) -> None:
+        """``event``: one whole event (its blank line included), ``sse``: its class."""
+        if (
+            sse.kind != "content"
+            or sse.usage is not None
+            or sse.error is not None
+            or event.count(b"\n") != 2
+            or b"\r" in event
+        ):
+            return
+        start = event.find(b'"content":"') + 11
+        end = event.find(b'"', start)
+        if start < 11 or end <= start or event[end + 1 : end + 2] not in (b",", b"}"):
+            return
+        self.prefix, self.suffix = event[:start], event[end:]
+        self._lp, self._ls = start, len(event) - end
+
+    def matches(self, event: bytes) -> bool:
+        if not (self._lp and event.startswith(self.prefix) and event.endswith(self.suffix)):
+            return False
+        end = len(event) - self._ls
+        return self._lp < end and _NOT_IN_TEXT.search(event, self._lp, end) is None
+
+
+_NOT_IN_TEXT = re.compile(rb'["\r\n]')
+
+
+class SseObserver:
+    """The SSE events of a response, piece by piece: ``sse.SseSplitter`` with a shortcut.
+
+    ``feed(piece)`` gives the same events as ``SseSplitter.feed`` would, except that a
+    piece that is a plain content chunk of the connection's ``ContentShape`` gives
+    ``None`` (one ``content`` event: no finish_reason, usage or error) without being
+    split or classified. A piece that is one whole event (an event per chunk: the usual)
+    is classified alone and may teach the shape; anything else goes through the
+    splitter. ``tests/test_addon_trace.py`` checks it against the splitter.
+    """
+
+    __slots__ = ("_held", "shape", "splitter")
+
+    def __init__(self, shape: ContentShape) -> None:
+        self.splitter = SseSplitter()
+        self.shape = shape
+        self._held = False  # the splitter holds the beginning of an event
+
+    @property
+    def pending(self) -> int:
+        return self.splitter.pending
+
+    def feed(self, piece: bytes) -> list[SseEvent] | None:
+        if self._held:
+            found = self.splitter.feed(piece)
+            self._held = self.splitter.pending > 0
+            return found
+        if self.shape.matches(piece):
+            return None
+        if len(piece) > 2 and piece.find(b"\n\n") == len(piece) - 2 and b"\r" not in piece:
+            sse = classify(piece[:-2])
+            self.shape.learn(piece, sse)
+            return [sse]
+        found = self.splitter.feed(piece)
+        self._held = self.splitter.pending > 0
+        return found
+
+
+class _Flow(ResponseState[SseObserver]):
     """Mutable per-request state while it is in flight (``sniff._Request``'s counterpart)."""
 
     __slots__ = (
         "body_end_m",
         "by_proxy",
         "closes",
-        "comments",
         "conn",
-        "done",
-        "ended",
-        "error",
-        "events",
-        "finish_reason",
-        "first_token_m",
         "flow_id",
-        "head_m",
         "json_body",
-        "last_data_m",
-        "max_gap",
         "raw",
         "req_bytes",
         "req_hash",
         "req_parts",
-        "request_done",
-        "resp_bytes",
-        "resp_head_m",
-        "seq",
         "sizes",
         "specials",
-        "sse",
-        "stall_direction",
-        "stall_start_m",
-        "status",
         "streamed_request",
         "streamed_response",
         "times",
-        "usage",
     )
 
     def __init__(self, flow_id: str, conn: _Conn, seq: int, head_m: float, json_body: bool) -> None:
+        super().__init__(seq, head_m)
         self.flow_id = flow_id
         self.conn = conn
-        self.seq = seq
-        self.head_m = head_m
         self.json_body = json_body
-        self.request_done = False
         self.streamed_request = False
         self.req_bytes = 0
         self.req_hash: Any = None  # hashlib object while a streamed request body arrives
@@ -200,24 +265,8 @@ class _Flow:
         self.by_proxy = False
         # who ends the connection after this exchange (Connection: close, HTTP/1.0)
         self.closes: Literal["upstream", "tracer"] | None = None
-        self.status: int | None = None
-        self.resp_head_m: float | None = None
         self.streamed_response = False
-        self.resp_bytes = 0
         self.body_end_m: float | None = None
-        self.sse: SseObserver | None = None
-        self.events = 0
-        self.comments = 0
-        self.first_token_m: float | None = None
-        self.done = False
-        self.finish_reason: str | None = None
-        self.usage: dict[str, Any] | None = None
-        self.error: str | None = None
-        self.last_data_m: float | None = None
-        self.max_gap = 0.0
-        self.ended = False
-        self.stall_start_m: float | None = None
-        self.stall_direction: StallDirection | None = None
         # body pieces observed but not yet written (see _response_observer): arrival
         # times, sizes, the SSE events of those that are not a plain content chunk
         # (by index), and the bytes themselves with tracer_bodies=all
@@ -1051,91 +1100,6 @@ class TraceAddon:
         writer = self.writer
         if writer is not None:
             writer.write(event)
-
-
-class ContentShape:
-    """The shape of a stream's plain content chunks: a shortcut past ``sse.classify``.
-
-    An engine writes its content chunks alike: the same bytes before the generated
-    text (``data: {"id":"…",…"delta":{"content":"``) and after it (``"},…}`` and the
-    blank line). Once ``sse.classify`` has called one such one-line event a plain
-    ``content`` chunk (no finish_reason, usage or error), any event made of the same
-    prefix, a non-empty text without ``"``, CR or LF, and the same suffix gets the same
-    answer from it: the classifier's patterns all begin with a ``"``, so none can start
-    inside the text, and the suffix (which must go on with ``,`` or ``}`` after the
-    closing quote) cannot complete one that began before. ``matches`` checks that in a
-    few byte comparisons instead of a classification.
-    """
-
-    __slots__ = ("_lp", "_ls", "prefix", "suffix")
-
-    def __init__(self) -> None:
-        self.prefix = self.suffix = b""
-        self._lp = self._ls = 0
-
-    def learn(self, event: bytes, sse: SseEvent) -> None:
-        """``event``: one whole event (its blank line included), ``sse``: its class."""
-        if (
-            sse.kind != "content"
-            or sse.usage is not None
-            or sse.error is not None
-            or event.count(b"\n") != 2
-            or b"\r" in event
-        ):
-            return
-        start = event.find(b'"content":"') + 11
-        end = event.find(b'"', start)
-        if start < 11 or end <= start or event[end + 1 : end + 2] not in (b",", b"}"):
-            return
-        self.prefix, self.suffix = event[:start], event[end:]
-        self._lp, self._ls = start, len(event) - end
-
-    def matches(self, event: bytes) -> bool:
-        if not (self._lp and event.startswith(self.prefix) and event.endswith(self.suffix)):
-            return False
-        end = len(event) - self._ls
-        return self._lp < end and _NOT_IN_TEXT.search(event, self._lp, end) is None
-
-
-_NOT_IN_TEXT = re.compile(rb'["\r\n]')
-
-
-class SseObserver:
-    """The SSE events of a response, piece by piece: ``sse.SseSplitter`` with a shortcut.
-
-    ``feed(piece)`` gives the same events as ``SseSplitter.feed`` would, except that a
-    piece that is a plain content chunk of the connection's ``ContentShape`` gives
-    ``None`` (one ``content`` event: no finish_reason, usage or error) without being
-    split or classified. A piece that is one whole event (an event per chunk: the usual)
-    is classified alone and may teach the shape; anything else goes through the
-    splitter. ``tests/test_addon_trace.py`` checks it against the splitter.
-    """
-
-    __slots__ = ("_held", "shape", "splitter")
-
-    def __init__(self, shape: ContentShape) -> None:
-        self.splitter = SseSplitter()
-        self.shape = shape
-        self._held = False  # the splitter holds the beginning of an event
-
-    @property
-    def pending(self) -> int:
-        return self.splitter.pending
-
-    def feed(self, piece: bytes) -> list[SseEvent] | None:
-        if self._held:
-            found = self.splitter.feed(piece)
-            self._held = self.splitter.pending > 0
-            return found
-        if self.shape.matches(piece):
-            return None
-        if len(piece) > 2 and piece.find(b"\n\n") == len(piece) - 2 and b"\r" not in piece:
-            sse = classify(piece[:-2])
-            self.shape.learn(piece, sse)
-            return [sse]
-        found = self.splitter.feed(piece)
-        self._held = self.splitter.pending > 0
-        return found
 
 
 def _options_error(message: str) -> Exception:

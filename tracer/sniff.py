@@ -52,7 +52,7 @@ import hashlib
 import json
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import h11
 
@@ -72,7 +72,56 @@ MAX_HELD_BYTES = 1024 * 1024  # client bytes held while a protocol switch is und
 StallDirection = Literal["upstream_silent", "client_not_reading", "client_silent"]
 
 
-class _Request:
+class ResponseState[S]:
+    """What a tap keeps about a response in flight, whatever tap follows it: the native
+    observer's ``_Request`` and the mitmproxy addon's flow state extend it (``S``: how
+    each splits SSE), and the records below read it."""
+
+    __slots__ = (
+        "comments",
+        "done",
+        "ended",
+        "error",
+        "events",
+        "finish_reason",
+        "first_token_m",
+        "head_m",
+        "last_data_m",
+        "max_gap",
+        "request_done",
+        "resp_bytes",
+        "resp_head_m",
+        "seq",
+        "sse",
+        "stall_direction",
+        "stall_start_m",
+        "status",
+        "usage",
+    )
+
+    def __init__(self, seq: int, head_m: float) -> None:
+        self.seq = seq
+        self.head_m = head_m
+        self.request_done = False
+        self.status: int | None = None
+        self.resp_head_m: float | None = None
+        self.resp_bytes = 0
+        self.sse: S | None = None
+        self.events = 0
+        self.comments = 0
+        self.first_token_m: float | None = None
+        self.done = False
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.last_data_m: float | None = None
+        self.max_gap = 0.0
+        self.ended = False
+        self.stall_start_m: float | None = None
+        self.stall_direction: StallDirection | None = None
+
+
+class _Request(ResponseState[SseSplitter]):
     """Mutable per-request state while it is in flight."""
 
     __slots__ = (
@@ -86,34 +135,14 @@ class _Request:
         "body_hash",
         "body_parts",
         "body_too_big",
-        "comments",
         "content_type_json",
-        "done",
-        "ended",
-        "error",
-        "events",
-        "finish_reason",
-        "first_token_m",
-        "head_m",
-        "last_data_m",
-        "max_gap",
         "may_switch",
         "method",
         "mirror",
-        "request_done",
-        "resp_bytes",
-        "resp_head_m",
-        "seq",
-        "sse",
-        "stall_direction",
-        "stall_start_m",
-        "status",
-        "usage",
     )
 
     def __init__(self, seq: int, head_m: float, method: str, json_body: bool) -> None:
-        self.seq = seq
-        self.head_m = head_m
+        super().__init__(seq, head_m)
         self.method = method
         self.content_type_json = json_body
         self.mirror: list[tuple[bytes, bytes]] = [(b"host", b"t")]  # for the head parser
@@ -122,23 +151,6 @@ class _Request:
         self.body_hash = hashlib.sha256()
         self.body_parts: list[bytes] | None = []
         self.body_too_big = False
-        self.request_done = False
-        self.status: int | None = None
-        self.resp_head_m: float | None = None
-        self.resp_bytes = 0
-        self.sse: SseSplitter | None = None
-        self.events = 0
-        self.comments = 0
-        self.first_token_m: float | None = None
-        self.done = False
-        self.finish_reason: str | None = None
-        self.usage: dict[str, Any] | None = None
-        self.error: str | None = None
-        self.last_data_m: float | None = None
-        self.max_gap = 0.0
-        self.ended = False
-        self.stall_start_m: float | None = None
-        self.stall_direction: StallDirection | None = None
         # response body reads not yet written as a record (see _add_read)
         self.batch_m: float | None = None
         self.batch_reads: list[list[Any]] = []
@@ -863,31 +875,7 @@ def _mirror_request(method: str, headers: tuple[tuple[bytes, bytes], ...]) -> h1
     return h11.Request(method=method, target="/", headers=list(headers))
 
 
-class ResponseState(Protocol):
-    """What a tap keeps about a response in flight (the native observer's ``_Request``
-    and the mitmproxy addon's flow state both have it): the records below read it."""
-
-    seq: int
-    head_m: float
-    status: int | None
-    resp_head_m: float | None
-    resp_bytes: int
-    events: int
-    comments: int
-    first_token_m: float | None
-    done: bool
-    finish_reason: str | None
-    usage: dict[str, Any] | None
-    error: str | None
-    max_gap: float
-    stall_start_m: float | None
-    stall_direction: StallDirection | None
-
-    @property
-    def sse(self) -> Any: ...
-
-
-def count_sse(state: ResponseState, sse: SseEvent, m: float) -> None:
+def count_sse(state: ResponseState[Any], sse: SseEvent, m: float) -> None:
     """Account one SSE event: events, heartbeats, first token, [DONE], finish, usage, error."""
     kind = sse.kind
     if kind == "comment":
@@ -907,7 +895,7 @@ def count_sse(state: ResponseState, sse: SseEvent, m: float) -> None:
 
 
 def response_end(
-    state: ResponseState,
+    state: ResponseState[Any],
     m: float,
     termination: ev.Termination,
     *,
@@ -946,7 +934,7 @@ def response_end(
 
 
 def end_stall(
-    state: ResponseState, m: float, *, tap: str, conn: int, wall: float
+    state: ResponseState[Any], m: float, *, tap: str, conn: int, wall: float
 ) -> ev.Stall | None:
     """The ``stall`` end record when the response was stalled (and clear the stall)."""
     if state.stall_start_m is None or state.stall_direction is None:
