@@ -19,7 +19,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +52,6 @@ class Scenario:
 
 @dataclass
 class Running:
-    name: str
     url: str
     proc: Process
 
@@ -69,16 +69,16 @@ class Demo:
     def step(self, text: str) -> None:
         self.console.print(f"[dim]{time.monotonic() - self.started:5.1f}s[/dim]  {text}")
 
-    def _log(self, name: str, mode: str = "w") -> tuple[Path, Any]:
+    def _log(self, name: str) -> tuple[Path, Any]:
         path = self.out / "logs" / f"{name}.log"
         path.parent.mkdir(parents=True, exist_ok=True)
-        log = path.open(mode)
+        log = path.open("wb")
         self.stack.callback(log.close)
         return path, log
 
     async def start(self, name: str, argv: list[str]) -> Running:
         """Start a process that prints ``listening on HOST:PORT`` on stderr when ready."""
-        log_path, log = self._log(name, "wb")
+        log_path, log = self._log(name)
         proc = await anyio.open_process(argv, stdin=None, stdout=subprocess.DEVNULL, stderr=log)
         self.stack.push_async_callback(_stop, proc)
         with anyio.fail_after(30):
@@ -86,7 +86,7 @@ class Demo:
                 if proc.returncode is not None:
                     raise RuntimeError(f"{name} exited before it was ready (see {log_path})")
                 await anyio.sleep(0.05)  # (polls its log with a deadline)
-        return Running(name, f"http://{found.group(1)}", proc)
+        return Running(f"http://{found.group(1)}", proc)
 
     async def engines(self, count: int, *args: str) -> list[Running]:
         """Start ``count`` engines at once (each takes a second or two to import)."""
@@ -127,7 +127,7 @@ class Demo:
         argv += [w.url for w in workers]
         argv += ["--policy", "round_robin", "--log-level", "warn"]
         argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
-        log_path, log = self._log("smg", "wb")
+        log_path, log = self._log("smg")
         proc = await anyio.open_process(argv, stdin=None, stdout=log, stderr=log)
         self.stack.push_async_callback(_stop, proc)
         url = f"http://127.0.0.1:{port}"
@@ -154,11 +154,7 @@ class Demo:
             f"(openai SDK, keep-alive; a round not answered in {config.deadline:g} s is hung)"
         )
         report = await run_harness(config)
-        counts: dict[str, int] = {}
-        for r in report.rounds:
-            counts[r.outcome] = counts.get(r.outcome, 0) + 1
-        shown = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
-        self.step(f"harness done: {shown}")
+        self.step(f"harness done: {_tally(r.outcome for r in report.rounds)}")
         return report
 
 
@@ -176,6 +172,11 @@ async def _stop(proc: Process) -> None:
         proc.kill()
     with anyio.CancelScope(shield=True):
         await proc.aclose()
+
+
+def _tally(outcomes: Iterable[str]) -> str:
+    """``4 complete, 2 hung``: how many of each, in name order."""
+    return ", ".join(f"{n} {k}" for k, n in sorted(Counter(outcomes).items()))
 
 
 def smg_path() -> str | None:
@@ -236,12 +237,9 @@ async def replay_differential(d: Demo, capture: Path, target: str) -> None:
             d.step(f"[red]replay failed[/red] (exit {result.returncode}): {err}")
             d.notes.append(f"replay ({mode}) failed: {err}")
             continue
-        rows = doc.get("requests", [])
-        outcomes: dict[str, int] = {}
-        for r in rows:
-            key = str(r.get("replay", {}).get("outcome", "?"))
-            outcomes[key] = outcomes.get(key, 0) + 1
-        shown = ", ".join(f"{n} {k}" for k, n in sorted(outcomes.items()))
+        shown = _tally(
+            str(r.get("replay", {}).get("outcome", "?")) for r in doc.get("requests", [])
+        )
         verdict = doc.get("verdict", {})
         line = verdict.get("summary") if isinstance(verdict, dict) else verdict
         d.step(f"  {shown} - {line}")
