@@ -15,7 +15,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -184,6 +184,16 @@ class ReadStats:
     torn_tail: bool = False
     headers: list[dict[str, Any]] = field(default_factory=list)
 
+    def describe(self, path: str) -> dict[str, Any]:
+        """What reading a capture found, as the analysis lists it per capture."""
+        return {
+            "path": path,
+            "records": self.records,
+            "bad_lines": self.bad_lines,
+            "torn_tail": self.torn_tail,
+            "version": self.version,
+        }
+
 
 class CaptureError(Exception):
     """The file is not a capture this version can read."""
@@ -245,6 +255,18 @@ def read_events(path: str | os.PathLike[str], stats: ReadStats | None = None) ->
             stats.unknown_types += 1
             continue
         yield event
+
+
+def read_into(path: str | os.PathLike[str], feed: Callable[[ev.Event], None]) -> ReadStats:
+    """Every event of a capture to ``feed`` (an analysis); a file that cannot be read is
+    a ``CaptureError`` naming it."""
+    stats = ReadStats()
+    try:
+        for event in read_events(path, stats):
+            feed(event)
+    except OSError as exc:
+        raise CaptureError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    return stats
 
 
 def write_all(path: str | os.PathLike[str], records: list[ev.Event]) -> None:

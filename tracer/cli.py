@@ -15,7 +15,7 @@ import structlog
 
 from . import __version__, logs
 from .analysis import Summary
-from .capture import CaptureError, CaptureWriter, ReadStats, read_events
+from .capture import CaptureError, CaptureWriter, read_into
 from .faults import KINDS, RULE_KEYS, Fault, FaultSpecError, parse_fault
 from .relay import Tap, TapConfig, parse_hostport, parse_upstream
 from .render import write_json, write_markdown, write_text
@@ -510,24 +510,9 @@ def _fmt(bound: list[tuple[str, int]]) -> str:
 
 def _analyze(args: argparse.Namespace) -> int:
     with Summary() as summary:  # (rows spilled to temporary files are released on exit)
-        captures: list[dict[str, Any]] = []
-        for path in args.captures:
-            stats = ReadStats()
-            try:
-                for event in read_events(path, stats):
-                    summary.feed(event)
-            except OSError as exc:
-                print(f"tracer: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
-                return EXIT_INPUT
-            captures.append(
-                {
-                    "path": Path(path).name,
-                    "records": stats.records,
-                    "bad_lines": stats.bad_lines,
-                    "torn_tail": stats.torn_tail,
-                    "version": stats.version,
-                }
-            )
+        captures = [
+            read_into(path, summary.feed).describe(Path(path).name) for path in args.captures
+        ]
         marks = [parse_time(value, summary.first_t) for value in args.hang_at]
         # rows are written one at a time: big captures stay affordable
         result = summary.result(

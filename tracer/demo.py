@@ -32,7 +32,7 @@ from anyio.abc import Process
 from rich.console import Console
 
 from .analysis import Summary
-from .capture import ReadStats, read_events
+from .capture import read_into
 from .render import to_text
 from .sim.harness import HarnessConfig, HarnessReport, run_harness
 
@@ -370,12 +370,7 @@ SCENARIOS = {
 
 def analyze(captures: list[Path]) -> dict[str, Any]:
     summary = Summary()
-    infos = []
-    for path in captures:
-        stats = ReadStats()
-        for event in read_events(path, stats):
-            summary.feed(event)
-        infos.append({"path": str(path), "records": stats.records})
+    infos = [read_into(path, summary.feed).describe(str(path)) for path in captures]
     return summary.result(captures=infos)
 
 

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from . import __version__
 from .analysis import Summary
-from .capture import CaptureError, ReadStats, read_events
+from .capture import CaptureError, read_into
 from .findings import Context, Evidence
 
 if TYPE_CHECKING:
@@ -157,15 +157,13 @@ def load(paths: list[str]) -> tuple[Summary, list[dict[str, Any]]]:
 
 def _feed(summary: Summary, path: str) -> dict[str, Any]:
     """One capture into the summary; what reading it found, and its hash."""
-    stats = ReadStats()
     try:
         with open(path, "rb") as fh:
             digest = hashlib.file_digest(fh, "sha256").hexdigest()
         size = Path(path).stat().st_size
-        for event in read_events(path, stats):
-            summary.feed(event)
     except OSError as exc:
         raise CaptureError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    stats = read_into(path, summary.feed)
     if stats.records == 0:
         raise CaptureError(f"{path}: empty, not a tracer capture")
     return {
