@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from .test_cli_proxy import tracer_proxy
+from .test_flagship_incident import taps_around
 from .test_sim_engine import engine_running
 
 pytestmark = pytest.mark.anyio
@@ -287,42 +288,8 @@ async def test_a_hop_that_cuts_the_stream_between_two_taps(tmp_path: Path) -> No
 
     front, back = tmp_path / "front.jsonl", tmp_path / "back.jsonl"
     async with engine_running(ttft=0.0, itl=0.01) as sim:
-        async with (
-            tracer_proxy(
-                "proxy",
-                "--listen",
-                "127.0.0.1:0",
-                "--upstream",
-                sim.url,
-                "--tap",
-                "back",
-                "--capture",
-                str(back),
-            ) as back_tap,
-            tracer_proxy(
-                "proxy",
-                "--listen",
-                "127.0.0.1:0",
-                "--upstream",
-                back_tap.url,
-                "--tap",
-                "hop",
-                "--fault",
-                "truncate-after-events:3@pos=2",
-            ) as hop,
-            tracer_proxy(
-                "proxy",
-                "--listen",
-                "127.0.0.1:0",
-                "--upstream",
-                hop.url,
-                "--tap",
-                "front",
-                "--capture",
-                str(front),
-            ) as front_tap,
-        ):
-            await drive(front_tap.url)
+        async with taps_around(sim.url, "truncate-after-events:3@pos=2", front, back) as (url, _):
+            await drive(url)
     result = await analyze_many(front, back)
     v = result["verdict"]
     assert (v["party"], v["kind"]) == ("proxy", "proxy_cut_stream"), result["findings"]
@@ -333,49 +300,18 @@ async def test_a_hop_that_swallows_a_fresh_request(tmp_path: Path) -> None:
     front, back = tmp_path / "front.jsonl", tmp_path / "back.jsonl"
     async with engine_running(ttft=0.0, itl=0.01) as sim:
         evidence = ["--engine-metrics", f"{sim.url}/metrics", "--metrics-interval", "0.1"]
-        async with (
-            tracer_proxy(
-                "proxy",
-                "--listen",
-                "127.0.0.1:0",
-                "--upstream",
-                sim.url,
-                "--tap",
-                "back",
-                "--capture",
-                str(back),
-                *evidence,
-            ) as back_tap,
-            tracer_proxy(
-                "proxy",
-                "--listen",
-                "127.0.0.1:0",
-                "--upstream",
-                back_tap.url,
-                "--tap",
-                "hop",
-                "--fault",
-                "drop-request@times=1,pos=1",
-            ) as hop,
-            tracer_proxy(
-                "proxy",
-                "--listen",
-                "127.0.0.1:0",
-                "--upstream",
-                hop.url,
-                "--tap",
-                "front",
-                "--capture",
-                str(front),
-                "--stall-after",
-                "0.5",
-                *evidence,
-            ) as front_tap,
-        ):
+        async with taps_around(
+            sim.url,
+            "drop-request@times=1,pos=1",
+            front,
+            back,
+            back_args=evidence,
+            front_args=["--stall-after", "0.5", *evidence],
+        ) as (front_url, _):
             async with httpx.AsyncClient(timeout=1.5) as first:
-                await _stream(first, front_tap.url, None)  # dropped: hangs until timeout
+                await _stream(first, front_url, None)  # dropped: hangs until timeout
             async with httpx.AsyncClient(timeout=5) as second:
-                await _stream(second, front_tap.url, None)  # a fresh one goes through
+                await _stream(second, front_url, None)  # a fresh one goes through
     result = await analyze_many(front, back)
     v = result["verdict"]
     assert (v["party"], v["kind"], v["confidence"]) == (
@@ -453,24 +389,13 @@ async def test_a_hop_that_bunches_events_is_where_delivery_coalesces(tmp_path: P
     the tap in front; the finding names the hop between the two taps."""
     front, back = tmp_path / "front.jsonl", tmp_path / "back.jsonl"
     async with engine_running(ttft=0.0, itl=0.005) as sim:
-        async with tracer_proxy(
-            "proxy", "--listen", "127.0.0.1:0", "--upstream", sim.url,
-            "--tap", "back", "--capture", str(back),
-        ) as back_tap:  # fmt: skip
-            async with tracer_proxy(
-                "proxy", "--listen", "127.0.0.1:0", "--upstream", back_tap.url,
-                "--tap", "hop", "--fault", "coalesce:0.04",
-            ) as hop:  # fmt: skip
-                async with tracer_proxy(
-                    "proxy", "--listen", "127.0.0.1:0", "--upstream", hop.url,
-                    "--tap", "front", "--capture", str(front),
-                ) as front_tap:  # fmt: skip
-                    async with httpx.AsyncClient(timeout=20) as client:
-                        body = {**BODY, "max_tokens": 100}
-                        async with client.stream(
-                            "POST", front_tap.url + "/v1/chat/completions", json=body
-                        ) as r:
-                            chunks = [c async for c in r.aiter_bytes()]
+        async with taps_around(sim.url, "coalesce:0.04", front, back) as (front_url, _):
+            async with httpx.AsyncClient(timeout=20) as client:
+                body = {**BODY, "max_tokens": 100}
+                async with client.stream(
+                    "POST", front_url + "/v1/chat/completions", json=body
+                ) as r:
+                    chunks = [c async for c in r.aiter_bytes()]
     assert b"".join(chunks).endswith(b"data: [DONE]\n\n")
     result = await analyze_many(front, back)
     by_tap = {r["tap"]: r for r in result["requests"]}

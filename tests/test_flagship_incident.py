@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,29 +32,44 @@ pytestmark = pytest.mark.anyio
 
 
 @asynccontextmanager
-async def taps_around_a_hanging_proxy(
-    upstream: str, front: Path, back: Path, evidence: list[str]
+async def taps_around(
+    upstream: str,
+    fault: str,
+    front: Path,
+    back: Path,
+    *,
+    back_args: Sequence[str] = (),
+    front_args: Sequence[str] = (),
 ) -> AsyncIterator[tuple[str, str]]:
-    """tap "back" -> a proxy that hangs on the 3rd request of a reused keep-alive
-    connection (`tracer proxy --fault hang-on-reuse:3`) -> tap "front" (with probes);
-    yields (the front tap's URL, the proxy's URL)."""
-    taps = ["--stall-after", "0.5", *evidence]
+    """tap "back" (capture ``back``) -> a proxy with ``tracer proxy --fault FAULT`` -> tap
+    "front" (capture ``front``), each a real process; yields (front tap's URL, the hop's)."""
     async with (
         tracer_proxy(
             "proxy", "--listen", "127.0.0.1:0", "--upstream", upstream,
-            "--tap", "back", "--capture", str(back), *taps,
+            "--tap", "back", "--capture", str(back), *back_args,
         ) as back_tap,
         tracer_proxy(
             "proxy", "--listen", "127.0.0.1:0", "--upstream", back_tap.url,
-            "--tap", "faulty", "--fault", "hang-on-reuse:3",
-        ) as faulty,
+            "--tap", "hop", "--fault", fault,
+        ) as hop,
         tracer_proxy(
-            "proxy", "--listen", "127.0.0.1:0", "--upstream", faulty.url,
-            "--tap", "front", "--capture", str(front), *taps,
-            "--probe-on-stall", "--probe-interval", "0.5",
+            "proxy", "--listen", "127.0.0.1:0", "--upstream", hop.url,
+            "--tap", "front", "--capture", str(front), *front_args,
         ) as front_tap,
     ):  # fmt: skip
-        yield front_tap.url, faulty.url
+        yield front_tap.url, hop.url
+
+
+def taps_around_a_hanging_proxy(
+    upstream: str, front: Path, back: Path, evidence: list[str]
+) -> AbstractAsyncContextManager[tuple[str, str]]:
+    """The incident: the hop hangs on the 3rd request of a reused keep-alive connection
+    (`--fault hang-on-reuse:3`); both taps with evidence, the front one with probes."""
+    taps = ["--stall-after", "0.5", *evidence]
+    probes = ["--probe-on-stall", "--probe-interval", "0.5"]
+    return taps_around(
+        upstream, "hang-on-reuse:3", front, back, back_args=taps, front_args=[*taps, *probes]
+    )
 
 
 async def analyze(*args: str) -> dict[str, Any]:
