@@ -97,6 +97,7 @@ from tracer.sniff import (
     end_stall,
     openai_fields,
     response_end,
+    response_head_facts,
 )
 from tracer.sse import SseEvent, SseSplitter, classify
 
@@ -679,28 +680,12 @@ class TraceAddon:
         head_m = min(resp.timestamp_start - self._wall, now) if resp.timestamp_start else now
         st.status = resp.status_code
         st.resp_head_m = st.last_data_m = head_m
-        content_length: int | None = None
-        chunked = sse = False
-        keep_alive = resp.http_version != "HTTP/1.0"
-        size = len(resp.data.reason) + 15
-        for name, value in resp.headers.fields:
-            size += len(name) + len(value) + 4
-            lower = name.lower()
-            if lower == b"content-length":
-                try:
-                    content_length = int(value)
-                except ValueError:
-                    content_length = None
-            elif lower == b"transfer-encoding":
-                chunked = True
-            elif lower == b"content-type":
-                sse = value.lower().startswith(b"text/event-stream")
-            elif lower == b"connection":
-                lowered = value.lower()
-                if b"close" in lowered:
-                    keep_alive = False
-                elif b"keep-alive" in lowered:
-                    keep_alive = True
+        fields = resp.headers.fields
+        content_length, chunked, sse, keep_alive = response_head_facts(
+            ((name.lower(), value) for name, value in fields),
+            keep_alive=resp.http_version != "HTTP/1.0",
+        )
+        size = len(resp.data.reason) + 15 + sum(len(n) + len(v) + 4 for n, v in fields)
         st.conn.upstream_bytes += size
         if sse:
             st.sse = SseObserver(st.conn.shape)

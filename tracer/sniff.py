@@ -51,7 +51,7 @@ import functools
 import hashlib
 import json
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import h11
@@ -650,22 +650,9 @@ class ConnectionObserver:
         req.status = event.status_code
         req.resp_head_m = m
         req.last_data_m = m
-        content_length: int | None = None
-        chunked = sse = False
-        keep_alive = event.http_version == b"1.1"
-        for name, value in event.headers:
-            if name == b"content-length":
-                content_length = int(value)
-            elif name == b"transfer-encoding":
-                chunked = True
-            elif name == b"content-type":
-                sse = value.lower().startswith(b"text/event-stream")
-            elif name == b"connection":
-                lowered = value.lower()
-                if b"close" in lowered:
-                    keep_alive = False
-                elif b"keep-alive" in lowered:
-                    keep_alive = True
+        content_length, chunked, sse, keep_alive = response_head_facts(
+            event.headers, keep_alive=event.http_version == b"1.1"
+        )
         if sse:
             req.sse = SseSplitter()
         self._emit(
@@ -873,6 +860,32 @@ class ConnectionObserver:
 def _mirror_request(method: str, headers: tuple[tuple[bytes, bytes], ...]) -> h11.Request:
     """The request a response head parser is told about (events are immutable: cached)."""
     return h11.Request(method=method, target="/", headers=list(headers))
+
+
+def response_head_facts(
+    headers: Iterable[tuple[bytes, bytes]], *, keep_alive: bool
+) -> tuple[int | None, bool, bool, bool]:
+    """(Content-Length, chunked, SSE, keep-alive) from a response head's headers (names
+    in lower case), whatever tap parsed it; ``keep_alive``: the HTTP version's default."""
+    content_length: int | None = None
+    chunked = sse = False
+    for name, value in headers:
+        if name == b"content-length":
+            try:
+                content_length = int(value)
+            except ValueError:
+                content_length = None
+        elif name == b"transfer-encoding":
+            chunked = True
+        elif name == b"content-type":
+            sse = value.lower().startswith(b"text/event-stream")
+        elif name == b"connection":
+            lowered = value.lower()
+            if b"close" in lowered:
+                keep_alive = False
+            elif b"keep-alive" in lowered:
+                keep_alive = True
+    return content_length, chunked, sse, keep_alive
 
 
 def count_sse(state: ResponseState[Any], sse: SseEvent, m: float) -> None:
