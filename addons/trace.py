@@ -69,6 +69,7 @@ import sys
 import termios
 import time
 from collections.abc import Callable, Iterable
+from itertools import chain, repeat
 from operator import sub
 from pathlib import Path
 from typing import Any, Literal
@@ -80,7 +81,6 @@ from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy import version as mitmproxy_version
 from mitmproxy.addonmanager import Loader
 from mitmproxy.flow import Error
-from mitmproxy.net.http.http1 import connection_close
 from mitmproxy.proxy import server_hooks
 
 from tracer import __version__
@@ -158,15 +158,17 @@ class ContentShape:
     prefix, a non-empty text without ``"``, CR or LF, and the same suffix gets the same
     answer from it: the classifier's patterns all begin with a ``"``, so none can start
     inside the text, and the suffix (which must go on with ``,`` or ``}`` after the
-    closing quote) cannot complete one that began before. ``matches`` checks that in a
-    few byte comparisons instead of a classification.
+    closing quote) cannot complete one that began before. The stream callable checks
+    that in a few byte comparisons (``prefix_len``: 0 until a shape is learned; the text
+    runs from ``prefix_len`` to ``len(piece) - suffix_len``), written out inline there
+    because it runs for every piece.
     """
 
-    __slots__ = ("_lp", "_ls", "prefix", "suffix")
+    __slots__ = ("prefix", "prefix_len", "suffix", "suffix_len")
 
     def __init__(self) -> None:
         self.prefix = self.suffix = b""
-        self._lp = self._ls = 0
+        self.prefix_len = self.suffix_len = 0
 
     def learn(self, event: bytes, sse: SseEvent) -> None:
         """``event``: one whole event (its blank line included), ``sse``: its class."""
@@ -183,53 +185,47 @@ class ContentShape:
         if start < 11 or end <= start or event[end + 1 : end + 2] not in (b",", b"}"):
             return
         self.prefix, self.suffix = event[:start], event[end:]
-        self._lp, self._ls = start, len(event) - end
-
-    def matches(self, event: bytes) -> bool:
-        if not (self._lp and event.startswith(self.prefix) and event.endswith(self.suffix)):
-            return False
-        end = len(event) - self._ls
-        return self._lp < end and _NOT_IN_TEXT.search(event, self._lp, end) is None
+        self.prefix_len, self.suffix_len = start, len(event) - end
 
 
 _NOT_IN_TEXT = re.compile(rb'["\r\n]')
 
 
 class SseObserver:
-    """The SSE events of a response, piece by piece: ``sse.SseSplitter`` with a shortcut.
+    """The SSE events of a response, piece by piece: ``sse.SseSplitter`` with shortcuts.
 
-    ``feed(piece)`` gives the same events as ``SseSplitter.feed`` would, except that a
-    piece that is a plain content chunk of the connection's ``ContentShape`` gives
-    ``None`` (one ``content`` event: no finish_reason, usage or error) without being
-    split or classified. A piece that is one whole event (an event per chunk: the usual)
-    is classified alone and may teach the shape; anything else goes through the
-    splitter. ``tests/test_addon_trace.py`` checks it against the splitter.
+    The stream callable takes a piece that is a plain content chunk of the connection's
+    ``ContentShape`` for one ``content`` event (no finish_reason, usage or error)
+    without calling ``feed``; ``feed`` gives the events of the other pieces, the same
+    as ``SseSplitter.feed`` would: a piece that is one whole event (an event per chunk:
+    the usual) is classified alone and may teach the shape; anything else goes through
+    the splitter. While the splitter holds the beginning of an event (``held``), every
+    piece must go to ``feed``. ``tests/test_addon_trace.py`` checks the stream callable
+    against the splitter.
     """
 
-    __slots__ = ("_held", "shape", "splitter")
+    __slots__ = ("held", "shape", "splitter")
 
     def __init__(self, shape: ContentShape) -> None:
         self.splitter = SseSplitter()
         self.shape = shape
-        self._held = False  # the splitter holds the beginning of an event
+        self.held = False  # the splitter holds the beginning of an event
 
     @property
     def pending(self) -> int:
         return self.splitter.pending
 
-    def feed(self, piece: bytes) -> list[SseEvent] | None:
-        if self._held:
+    def feed(self, piece: bytes) -> list[SseEvent]:
+        if self.held:
             found = self.splitter.feed(piece)
-            self._held = self.splitter.pending > 0
+            self.held = self.splitter.pending > 0
             return found
-        if self.shape.matches(piece):
-            return None
         if len(piece) > 2 and piece.find(b"\n\n") == len(piece) - 2 and b"\r" not in piece:
             sse = classify(piece[:-2])
             self.shape.learn(piece, sse)
             return [sse]
         found = self.splitter.feed(piece)
-        self._held = self.splitter.pending > 0
+        self.held = self.splitter.pending > 0
         return found
 
 
@@ -552,10 +548,13 @@ class TraceAddon:
         content_length: int | None = None
         chunked = expect = json_body = False
         request_id: str | None = None
-        size = len(req.data.method) + len(req.data.path) + 14
-        for name, value in req.headers.fields:
-            size += len(name) + len(value) + 4
+        connection: list[bytes] = []
+        fields = req.headers.fields
+        size = len(req.data.method) + len(req.data.path) + 14 + _fields_size(fields)
+        for name, value in fields:
             lower = name.lower()
+            if lower not in _REQUEST_HEADERS_READ:
+                continue
             if lower == b"content-length":
                 try:
                     content_length = int(value)
@@ -569,10 +568,12 @@ class TraceAddon:
                 request_id = value.decode("latin-1")
             elif lower == b"content-type":
                 json_body = b"json" in value.lower()
+            elif lower == b"connection":
+                connection.append(value)
         conn.client_bytes += size
         pipelined = bool(conn.pending)
         st = _Flow(flow.id, conn, conn.seq, head_m, json_body)
-        if connection_close(req.http_version, req.headers):  # type: ignore[no-untyped-call]
+        if _client_closes(req.http_version, connection):
             st.closes = "tracer"  # mitmproxy closes the client connection after it
         conn.pending.append(st)
         self._flows[flow.id] = st
@@ -685,7 +686,7 @@ class TraceAddon:
             ((name.lower(), value) for name, value in fields),
             keep_alive=resp.http_version != "HTTP/1.0",
         )
-        size = len(resp.data.reason) + 15 + sum(len(n) + len(v) + 4 for n, v in fields)
+        size = len(resp.data.reason) + 15 + _fields_size(fields)
         st.conn.upstream_bytes += size
         if sse:
             st.sse = SseObserver(st.conn.shape)
@@ -729,7 +730,8 @@ class TraceAddon:
         """
         times, sizes, specials = st.times, st.sizes, st.specials
         sse, raw = st.sse, st.raw
-        sse_feed = sse.feed if sse is not None else None
+        shape = sse.shape if sse is not None else ContentShape()  # (unused without SSE)
+        not_in_text = _NOT_IN_TEXT.search
         monotonic = time.monotonic
         then = chain if callable(chain) else None
 
@@ -740,14 +742,22 @@ class TraceAddon:
                     now - times[0] >= BODY_BATCH_SECONDS or len(times) >= BODY_BATCH_READS
                 ):
                     self._flush_guarded(st)
-                if sse_feed is not None:
+                # a plain content chunk of the connection's ContentShape is one content
+                # event (ContentShape's test, written out); the other pieces go to feed
+                if sse is not None and (
+                    sse.held
+                    or not (start := shape.prefix_len)
+                    or (end := len(data) - shape.suffix_len) <= start
+                    or not data.startswith(shape.prefix)
+                    or not data.endswith(shape.suffix)
+                    or not_in_text(data, start, end) is not None
+                ):
                     try:
-                        found = sse_feed(data)
+                        found = sse.feed(data)
                     except Exception:
                         found = []
                         log.exception("tracer: observing a response body failed")
-                    if found is not None:  # (None: a plain content chunk)
-                        specials.append((len(times), found))
+                    specials.append((len(times), found))
                 times.append(now)
                 sizes.append(len(data))
                 if raw is not None:
@@ -784,24 +794,9 @@ class TraceAddon:
         )
         st.max_gap = max(st.max_gap, max(gaps, default=0.0))
         st.last_data_m = last
-        events: list[list[Any]] | None = None
+        events: list[Any] | None = None
         if st.sse is not None:
-            if not specials:  # every piece a plain content chunk (see ContentShape)
-                events = [[dt, size, "content"] for dt, size in zip(dts, sizes, strict=True)]
-                plain = 0
-            else:
-                events, plain = [], -1
-                special = dict(specials)
-                for i, dt in enumerate(dts):
-                    found = special.get(i)
-                    if found is None:
-                        events.append([dt, sizes[i], "content"])
-                        if plain < 0:
-                            plain = i
-                        continue
-                    for sse in found:
-                        events.append([dt, *sse.as_record()])
-                        self._on_sse(st, sse, times[i])
+            events, plain = self._sse_records(st, dts, sizes, specials, times)
             st.events += len(times) - len(specials)
             if plain >= 0 and (st.first_token_m is None or times[plain] < st.first_token_m):
                 st.first_token_m = times[plain]
@@ -823,7 +818,7 @@ class TraceAddon:
                 seq=st.seq,
                 size=total,
                 chunks=0,  # mitmproxy does not show chunk boundaries
-                reads=[[dt, size, 0] for dt, size in zip(dts, sizes, strict=True)],
+                reads=list(zip(dts, sizes, repeat(0))),
                 sse=events or None,
                 data=data_text,
                 data_encoding=encoding,
@@ -832,6 +827,40 @@ class TraceAddon:
         times.clear()
         sizes.clear()
         specials.clear()
+
+    def _sse_records(
+        self,
+        st: _Flow,
+        dts: list[float],
+        sizes: list[int],
+        specials: list[tuple[int, list[SseEvent]]],
+        times: list[float],
+    ) -> tuple[list[Any], int]:
+        """The batch's ``sse`` entries, and the index of its first plain content chunk.
+
+        Pieces between the specials are plain content chunks, one ``content`` event
+        each: they are zipped in runs (C speed); only the specials are looked at.
+        """
+        if not specials:
+            return list(zip(dts, sizes, repeat("content"))), 0
+        events: list[Any] = []
+        plain = -1
+        start = 0
+        for i, found in specials:
+            if i > start:
+                events += zip(dts[start:i], sizes[start:i], repeat("content"))
+                if plain < 0:
+                    plain = start
+            dt = dts[i]
+            for sse in found:
+                events.append([dt, *sse.as_record()])
+                self._on_sse(st, sse, times[i])
+            start = i + 1
+        if start < len(dts):
+            events += zip(dts[start:], sizes[start:], repeat("content"))
+            if plain < 0:
+                plain = start
+        return events, plain
 
     def _on_sse(self, st: _Flow, sse: SseEvent, m: float) -> None:
         count_sse(st, sse, m)
@@ -1100,6 +1129,36 @@ def _addr(value: Any) -> str:
         host = str(value[0])
         return f"[{host}]:{value[1]}" if ":" in host else f"{host}:{value[1]}"
     return str(value) if value else "-"
+
+
+_REQUEST_HEADERS_READ = frozenset(
+    {
+        b"content-length",
+        b"transfer-encoding",
+        b"expect",
+        b"x-request-id",
+        b"content-type",
+        b"connection",
+    }
+)
+
+
+def _fields_size(fields: tuple[tuple[bytes, bytes], ...]) -> int:
+    """The bytes of a head's header lines (``name: value`` and CRLF each)."""
+    return 4 * len(fields) + sum(map(len, chain.from_iterable(fields)))
+
+
+def _client_closes(http_version: str, connection: list[bytes]) -> bool:
+    """Whether mitmproxy ends the client connection after this request: its own
+    ``http1.connection_close`` (``Connection`` tokens, else the version's default), from
+    the header values the loop over the head already picked out."""
+    if connection:
+        tokens = [token.strip() for token in b", ".join(connection).split(b",")]
+        if b"close" in tokens:
+            return True
+        if b"keep-alive" in tokens:
+            return False
+    return http_version not in ("HTTP/1.1", "HTTP/2.0")
 
 
 def _client_backlog(client: connection.Client) -> tuple[bool, int | None]:

@@ -33,6 +33,7 @@ import httpx
 import pytest
 from mitmproxy import connection, exceptions, http
 from mitmproxy.flow import Error
+from mitmproxy.net.http.http1 import connection_close
 
 from tracer.capture import read_records
 from tracer.sim.harness import HarnessConfig, run_harness
@@ -226,22 +227,42 @@ def _described(found: list[Any]) -> list[tuple[Any, ...]]:
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_the_sse_shortcut_gives_what_the_splitter_gives(seed: int) -> None:
+def test_the_sse_shortcut_gives_what_the_splitter_gives(seed: int, tmp_path: Path) -> None:
+    """The stream callable, piece by piece: a piece it takes for a plain content chunk
+    is one to the splitter; for the others it notes what the splitter says."""
     rng = random.Random(seed)
-    shape = trace.ContentShape()  # one per connection: it outlives a response
-    for _ in range(3):
-        pieces = _pieces(_corpus(rng), rng)
-        reference = SseSplitter()
-        observer = trace.SseObserver(shape)
-        for piece in pieces:
-            expected = _described(reference.feed(piece))
-            found = observer.feed(piece)
-            if found is None:
-                assert expected == [(len(piece), "content", True, None, None, None)], piece
-            else:
-                assert _described(found) == expected, piece
-            assert observer.pending == reference.pending
-    assert shape.prefix  # the shortcut was taken
+    with addon_ctx(tmp_path) as (addon, _):
+        client = a_flow().client_conn  # one ContentShape per connection: it outlives a response
+        for _ in range(3):
+            flow = a_flow(client)
+            start(addon, flow)
+            flow.response = sse_response()
+            addon.responseheaders(flow)
+            stream, st = flow.response.stream, addon._flows[flow.id]
+            reference = SseSplitter()
+            for piece in _pieces(_corpus(rng), rng):
+                st.times.clear(), st.sizes.clear(), st.specials.clear()  # one piece a batch
+                expected = _described(reference.feed(piece))
+                assert stream(piece) == piece
+                if not st.specials:
+                    assert expected == [(len(piece), "content", True, None, None, None)], piece
+                else:
+                    assert _described(st.specials[0][1]) == expected, piece
+                assert st.sse.splitter.pending == reference.pending
+            st.times.clear(), st.sizes.clear(), st.specials.clear()
+            addon.response(flow)
+        assert st.sse.shape.prefix  # the shortcut was taken
+
+
+@pytest.mark.parametrize("version", ["HTTP/1.1", "HTTP/1.0", "HTTP/2.0"])
+@pytest.mark.parametrize(
+    "values",
+    [[], [b"close"], [b"keep-alive"], [b"Keep-Alive, Upgrade"], [b"upgrade", b" close "], [b"x"]],
+)
+def test_who_closes_is_what_mitmproxy_decides(version: str, values: list[bytes]) -> None:
+    headers = http.Headers([(b"Connection", v) for v in values])
+    expected = connection_close(version, headers)
+    assert trace._client_closes(version, values) is expected
 
 
 def test_options_are_validated(tmp_path: Path) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,6 +36,31 @@ def test_round_trip_every_field(tmp_path: Path) -> None:
     assert isinstance(got[0], ev.CaptureStart) and got[0].version == ev.CAPTURE_VERSION
     assert got[1:-1] == originals
     assert isinstance(got[-1], ev.CaptureEnd) and got[-1].dropped == 0
+
+
+def _sample(cls: type[ev.Event], fill: bool) -> ev.Event:
+    """An instance with every field set (``fill``) or only the required ones."""
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required or fill:
+            kwargs[f.name] = f"{f.name}-value"
+    return cls(**kwargs)
+
+
+@pytest.mark.parametrize("cls", sorted(ev._REGISTRY.values(), key=lambda c: c.TYPE))
+def test_to_record_is_every_field_not_none_in_field_order(cls: type[ev.Event]) -> None:
+    """The generated ``to_record`` of each class says what the plain loop over the fields says."""
+    for fill in (True, False):
+        event = _sample(cls, fill)
+        expected = {"type": cls.TYPE}
+        for f in dataclasses.fields(cls):
+            value = getattr(event, f.name)
+            if value is not None:
+                expected[f.name] = value
+        got = event.to_record()
+        assert got == expected and list(got) == list(expected)
+        assert ev.from_record(got) == event
 
 
 def test_reader_skips_torn_tail_and_bad_lines(tmp_path: Path) -> None:

@@ -2,8 +2,10 @@
 
 Format: JSON Lines, first line a ``capture_start`` header carrying the format version
 (see ``captures/README.md``). The writer never blocks the caller: records are encoded
-on the caller's thread (cheap), appended to an in-memory batch bounded in bytes, and a
-background thread writes batches with ``os.write``. When the batch is full (disk slow)
+on the caller's thread (cheap) and copied at once onto the end of one in-memory batch, a
+``bytearray`` bounded in bytes (keeping each encoded line alive as its own object instead
+costs several times the encoding: a fresh allocation per record), and a background
+thread writes batches with ``os.write``. When the batch is full (disk slow)
 or a write fails (disk full), records are dropped and counted; the count is written as
 a ``capture_loss`` record as soon as writing works again, and in ``capture_end``. After
 ``kill -9`` everything flushed so far is on disk; the reader skips a torn line.
@@ -31,11 +33,16 @@ FLUSH_INTERVAL = 0.05
 MAX_PENDING_BYTES = 32 * 1024 * 1024
 
 _OPTS = orjson.OPT_APPEND_NEWLINE
+_dumps = orjson.dumps
 
 
 def encode_line(record: dict[str, Any]) -> bytes:
     """One record as one JSON line (UTF-8, compact, newline-terminated)."""
     return orjson.dumps(record, option=_OPTS)
+
+
+def _unencodable(record: dict[str, Any]) -> bytes:
+    return encode_line({"type": "unencodable", "of": str(record.get("type"))})
 
 
 class CaptureWriter:
@@ -53,8 +60,8 @@ class CaptureWriter:
         self._max_pending = max_pending_bytes
         self._interval = flush_interval
         self._lock = threading.Lock()
-        self._batch: list[bytes] = []
-        self._batch_bytes = 0
+        self._batch = bytearray()
+        self._batch_records = 0
         self._wake = threading.Event()
         self._stop = False
         self.written = 0
@@ -70,30 +77,40 @@ class CaptureWriter:
     # ---- producer side ------------------------------------------------------------
 
     def write(self, event: ev.Event, *, force: bool = False) -> None:
+        """Queue one event (``write_record`` written out: the taps' hot path)."""
         self._tap = event.tap
-        self.write_record(event.to_record(), force=force)
+        record = event.to_record()
+        try:
+            line = _dumps(record, option=_OPTS)
+        except TypeError:
+            line = _unencodable(record)
+        self._queue(line, force)
 
     def write_record(self, record: dict[str, Any], *, force: bool = False) -> None:
         """Queue one record; drop and count it when the bound is reached (unless forced)."""
         try:
             line = encode_line(record)
         except TypeError:
-            line = encode_line({"type": "unencodable", "of": str(record.get("type"))})
+            line = _unencodable(record)
+        self._queue(line, force)
+
+    def _queue(self, line: bytes, force: bool) -> None:
         size = len(line)
         with self._lock:
-            if (self._batch_bytes + size > self._max_pending and not force) or self._stop:
+            batch = self._batch
+            if (len(batch) + size > self._max_pending and not force) or self._stop:
                 self.dropped += 1
                 self.dropped_bytes += size
                 return
-            self._batch.append(line)
-            self._batch_bytes += size
-            first = len(self._batch) == 1
+            batch += line
+            self._batch_records += 1
+            first = self._batch_records == 1
         if first:
             self._wake.set()
 
     @property
     def pending_bytes(self) -> int:
-        return self._batch_bytes
+        return len(self._batch)
 
     # ---- writer thread ------------------------------------------------------------
 
@@ -104,14 +121,15 @@ class CaptureWriter:
                 time.sleep(self._interval)  # let a batch build up: fewer, larger writes
             self._wake.clear()
             with self._lock:
-                batch, self._batch, self._batch_bytes = self._batch, [], 0
+                batch, records = self._batch, self._batch_records
+                self._batch, self._batch_records = bytearray(), 0
                 stopping = self._stop  # read after the swap: nothing can be queued after it
             if batch:
-                self._write_batch(batch)
+                self._write_batch(batch, records)
             if stopping:
                 return
 
-    def _write_batch(self, batch: list[bytes]) -> None:
+    def _write_batch(self, batch: bytearray, records: int) -> None:
         lost = self.dropped - self._loss_reported
         if lost and self._tap:
             now_m = time.monotonic()
@@ -123,10 +141,10 @@ class CaptureWriter:
                 dropped_bytes=self.dropped_bytes,
                 reason=self._last_error or "writer too slow",
             )
-            batch.insert(0, encode_line(loss.to_record()))
-        data = b"".join(batch)
+            batch[:0] = encode_line(loss.to_record())
         if self._torn:
-            data = b"\n" + data  # end the torn fragment so the next record parses
+            batch[:0] = b"\n"  # end the torn fragment so the next record parses
+        data = batch
         view = memoryview(data)
         try:
             while view:
@@ -135,7 +153,7 @@ class CaptureWriter:
         except OSError as exc:
             self._torn = len(view) != len(data)
             # Records wholly unwritten are lost; a partly written one is torn.
-            lost_lines = data[len(data) - len(view) :].count(b"\n")
+            lost_lines = view.tobytes().count(b"\n")
             with self._lock:
                 self.dropped += lost_lines
                 self.dropped_bytes += len(view)
@@ -145,7 +163,7 @@ class CaptureWriter:
             return
         self._torn = False
         self._last_error = None
-        self.written += len(batch)
+        self.written += records
         if lost:
             self._loss_reported += lost
 
@@ -166,7 +184,7 @@ class CaptureWriter:
                 t=time.time(),
                 m=now,
                 tap=tap,
-                records=self.written + len(self._batch) + 1,
+                records=self.written + self._batch_records + 1,
                 dropped=self.dropped,
                 reason=reason,
             ),

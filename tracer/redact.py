@@ -42,23 +42,35 @@ def redact_value(name: str, value: str) -> str:
 
 
 _NAMES: dict[bytes, tuple[str, bool]] = {}  # header name -> (as text, holds a secret)
+# (name, value) as read -> the pair as written: the same few headers come with every
+# request, so most pairs cost one lookup. Cleared when full (a burst of unique values
+# must not keep the usual ones out for good). The lists are shared between records,
+# which nothing changes once emitted.
+_PAIRS: dict[tuple[bytes, bytes], list[str]] = {}
+MAX_PAIRS = 4096
 
 
 def redact_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[list[str]]:
-    """Header pairs to ``[name, value]`` strings, secrets redacted.
-
-    What is decided per header name is remembered (a bounded table): the same few names
-    come with every request.
-    """
+    """Header pairs to ``[name, value]`` strings, secrets redacted."""
     out: list[list[str]] = []
-    for raw_name, raw_value in headers:
-        known = _NAMES.get(raw_name)
-        if known is None:
-            name = raw_name.decode("latin-1")
-            known = (name, is_secret(name))
-            if len(_NAMES) < 4096:
-                _NAMES[raw_name] = known
-        name, secret = known
-        value = raw_value.decode("latin-1")
-        out.append([name, redact_value(name, value) if secret else value])
+    for pair in headers:
+        written = _PAIRS.get(pair)
+        if written is None:
+            written = _redact_pair(*pair)
+            if len(_PAIRS) >= MAX_PAIRS:
+                _PAIRS.clear()
+            _PAIRS[pair] = written
+        out.append(written)
     return out
+
+
+def _redact_pair(raw_name: bytes, raw_value: bytes) -> list[str]:
+    known = _NAMES.get(raw_name)
+    if known is None:
+        name = raw_name.decode("latin-1")
+        known = (name, is_secret(name))
+        if len(_NAMES) < 4096:
+            _NAMES[raw_name] = known
+    name, secret = known
+    value = raw_value.decode("latin-1")
+    return [name, redact_value(name, value) if secret else value]
