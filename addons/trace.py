@@ -241,8 +241,10 @@ class _Flow(ResponseState[SseObserver]):
         "json_body",
         "raw",
         "req_bytes",
+        "req_chain",
         "req_hash",
         "req_parts",
+        "resp_chain",
         "sizes",
         "specials",
         "streamed_request",
@@ -256,6 +258,8 @@ class _Flow(ResponseState[SseObserver]):
         self.conn = conn
         self.json_body = json_body
         self.streamed_request = False
+        self.req_chain: StreamFn | bool = False  # what request.stream was before ours
+        self.resp_chain: StreamFn | bool = False  # ... and response.stream
         self.req_bytes = 0
         self.req_hash: Any = None  # hashlib object while a streamed request body arrives
         self.req_parts: list[bytes] | None = None
@@ -602,6 +606,7 @@ class TraceAddon:
             st.streamed_request = True
             st.req_hash = hashlib.sha256()
             st.req_parts = [] if json_body or self.bodies != "none" else None
+            st.req_chain = req.stream
             req.stream = self._request_observer(st, req.stream)
 
     def _request_observer(self, st: _Flow, chain: StreamFn | bool) -> StreamFn:
@@ -718,6 +723,7 @@ class TraceAddon:
             return
         if sse or resp.stream:  # SSE must not be buffered (mitmproxy #4469)
             st.streamed_response = True
+            st.resp_chain = resp.stream
             resp.stream = self._response_observer(st, resp.stream)
 
     def _response_observer(self, st: _Flow, chain: StreamFn | bool) -> StreamFn:
@@ -894,11 +900,17 @@ class TraceAddon:
             self._end(st, end_m, "complete")
         if st.closes is not None:  # the connection ends after this exchange
             self._note_cause(st.conn, st.closes)
+        _let_go(st, flow)
 
     def error(self, flow: http.HTTPFlow) -> None:
         st = self._flows.get(flow.id)
         if st is None or st.ended:
             return
+        self._error_end(st, flow)
+        _let_go(st, flow)
+
+    def _error_end(self, st: _Flow, flow: http.HTTPFlow) -> None:
+        """End the response by what mitmproxy's error says (see rule 3)."""
         now = time.monotonic()
         err = flow.error
         msg = err.msg if err is not None else "error"
@@ -1114,6 +1126,21 @@ class TraceAddon:
         writer = self.writer
         if writer is not None:
             writer.write(event)
+
+
+def _let_go(st: _Flow, flow: http.HTTPFlow) -> None:
+    """Give the flow's stream attributes back what they held before the observers.
+
+    Once the exchange has ended mitmproxy calls them no more, but the flow keeps them
+    (and through them the request's state) until the garbage collector frees the flow:
+    mitmproxy's flows are in reference cycles. Let go now, and that state is freed at
+    once instead of adding to every collection (measured: the addon's extra GC work in
+    the bench's plain scenario went to none).
+    """
+    if st.streamed_request:
+        flow.request.stream = st.req_chain
+    if st.streamed_response and flow.response is not None:
+        flow.response.stream = st.resp_chain
 
 
 def _options_error(message: str) -> Exception:

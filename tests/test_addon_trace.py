@@ -357,6 +357,29 @@ def test_a_stream_set_by_another_addon_is_chained(tmp_path: Path) -> None:
     assert sum(r["size"] for r in records(path, "body")) == len(SSE_CHUNKS[1]) + 3
 
 
+def test_the_observers_are_let_go_when_the_exchange_ends(tmp_path: Path) -> None:
+    """The flow gets back the stream attributes it had, and keeps nothing of the addon's."""
+
+    def other(data: bytes) -> bytes:
+        return data
+
+    with addon_ctx(tmp_path) as (addon, path):
+        flow = a_flow()
+        flow.request.stream = other
+        start(addon, flow)
+        assert flow.request.stream is not other
+        flow.response = sse_response()
+        flow.response.stream = True
+        addon.responseheaders(flow)
+        stream = flow.response.stream
+        assert callable(stream) and stream(SSE_CHUNKS[1]) == SSE_CHUNKS[1]
+        stream(b"")
+        addon.response(flow)
+        assert flow.request.stream is other and flow.response.stream is True
+        assert flow.id not in addon._flows and not addon._conns[flow.client_conn.id].pending
+    assert [r["termination"] for r in records(path, "response_end")] == ["complete"]
+
+
 @pytest.mark.parametrize(
     ("message", "termination"),
     [

@@ -55,6 +55,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import h11
+import orjson
 
 from . import events as ev
 from .framing import BodyDecoder, FramingError, body_framing
@@ -970,9 +971,12 @@ def end_stall(
 def openai_fields(body: bytes) -> dict[str, Any]:
     """model, stream, max_tokens and message count from an OpenAI-style JSON body."""
     try:
-        obj = json.loads(body)
-    except (ValueError, RecursionError):
-        return {}
+        obj = orjson.loads(body)  # several times faster; it refuses a little json takes
+    except ValueError:
+        try:
+            obj = json.loads(body)  # (NaN, integers beyond 64 bits, ...)
+        except (ValueError, RecursionError):
+            return {}
     if not isinstance(obj, dict):
         return {}
     out: dict[str, Any] = {}
