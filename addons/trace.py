@@ -36,8 +36,10 @@ a ticker (``running``)     ``stall`` start/end; flushes body batches
 Rules:
 
 1. Observation never changes traffic: the stream callable returns its input (or hands
-   it on to a stream callable another addon set first); a failure in this addon is
-   logged and forwarding goes on. Without ``tracer_capture`` the addon does nothing.
+   it on to a stream callable another addon set first), and once the exchange has ended
+   the flow's ``stream`` attributes get back what they held before; a failure in this
+   addon is logged and forwarding goes on. Without ``tracer_capture`` the addon does
+   nothing.
 2. Times: ``m`` is this process's monotonic clock, ``t`` = ``m`` + a wall offset fixed at
    start, as in the tap. Heads and ends are timed by mitmproxy's own timestamps where it
    keeps them; body pieces when mitmproxy hands them over.
@@ -51,7 +53,8 @@ Rules:
    See ``addons/README.md``.
 5. Cost: the stream callable is called once per piece of body, so it only takes the
    time, the size and (for SSE) the piece's events, with a shortcut past the classifier
-   for the usual content chunk (``ContentShape``); records are built a batch at a time.
+   for the usual content chunk (``ContentShape``); records are built a batch at a time;
+   nothing of a finished exchange waits for mitmproxy's garbage collector (``_let_go``).
    ``python -m bench.run --scenarios addon`` measures what the addon costs mitmdump.
 """
 
