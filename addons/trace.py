@@ -72,7 +72,7 @@ import sys
 import termios
 import time
 from collections.abc import Callable, Iterable
-from itertools import chain, repeat
+from itertools import chain, islice, repeat
 from operator import sub
 from pathlib import Path
 from typing import Any, Literal
@@ -798,10 +798,11 @@ class TraceAddon:
         dts = [int((m - first) * 1e6 + 0.5) / 1e6 for m in times]  # round(…, 6), cheaper
         total = sum(sizes)
         prev = st.last_data_m
-        gaps = (
-            map(sub, times, [prev, *times[:-1]]) if prev is not None else map(sub, times[1:], times)
-        )
-        st.max_gap = max(st.max_gap, max(gaps, default=0.0))
+        gap = max(map(sub, islice(dts, 1, None), dts), default=0.0)  # within the batch
+        if prev is not None and first - prev > gap:
+            gap = first - prev
+        if gap > st.max_gap:
+            st.max_gap = gap
         st.last_data_m = last
         events: list[Any] | None = None
         if st.sse is not None:
