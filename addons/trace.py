@@ -192,6 +192,7 @@ class ContentShape:
 
 
 _NOT_IN_TEXT = re.compile(rb'["\r\n]')
+_NO_SHAPE = ContentShape()  # never learns: the stream callable of a non-SSE response
 
 
 class SseObserver:
@@ -739,7 +740,7 @@ class TraceAddon:
         """
         times, sizes, specials = st.times, st.sizes, st.specials
         sse, raw = st.sse, st.raw
-        shape = sse.shape if sse is not None else ContentShape()  # (unused without SSE)
+        shape = sse.shape if sse is not None else _NO_SHAPE
         not_in_text = _NOT_IN_TEXT.search
         monotonic = time.monotonic
         then = chain if callable(chain) else None

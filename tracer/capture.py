@@ -33,16 +33,11 @@ FLUSH_INTERVAL = 0.05
 MAX_PENDING_BYTES = 32 * 1024 * 1024
 
 _OPTS = orjson.OPT_APPEND_NEWLINE
-_dumps = orjson.dumps
 
 
 def encode_line(record: dict[str, Any]) -> bytes:
     """One record as one JSON line (UTF-8, compact, newline-terminated)."""
     return orjson.dumps(record, option=_OPTS)
-
-
-def _unencodable(record: dict[str, Any]) -> bytes:
-    return encode_line({"type": "unencodable", "of": str(record.get("type"))})
 
 
 class CaptureWriter:
@@ -77,24 +72,15 @@ class CaptureWriter:
     # ---- producer side ------------------------------------------------------------
 
     def write(self, event: ev.Event, *, force: bool = False) -> None:
-        """Queue one event (``write_record`` written out: the taps' hot path)."""
         self._tap = event.tap
-        record = event.to_record()
-        try:
-            line = _dumps(record, option=_OPTS)
-        except TypeError:
-            line = _unencodable(record)
-        self._queue(line, force)
+        self.write_record(event.to_record(), force=force)
 
     def write_record(self, record: dict[str, Any], *, force: bool = False) -> None:
         """Queue one record; drop and count it when the bound is reached (unless forced)."""
         try:
             line = encode_line(record)
         except TypeError:
-            line = _unencodable(record)
-        self._queue(line, force)
-
-    def _queue(self, line: bytes, force: bool) -> None:
+            line = encode_line({"type": "unencodable", "of": str(record.get("type"))})
         size = len(line)
         with self._lock:
             batch = self._batch
