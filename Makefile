@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.replay_fidelity
 	$(BIN)/python -m bench.loadgen_ceiling
 	$(BIN)/python -m bench.run --scenarios addon --rounds 5 --duration 5
+	$(BIN)/python -m bench.addon_hooks
 	$(BIN)/python -m bench.addon_instructions
 
 clean:

@@ -25,7 +25,7 @@ from typing import Any
 from . import peers, profile
 from .procs import Proc, free_port, spawn, wait_port
 from .report import fmt_rate, fmt_time
-from .run import REPO, RIG_CORE, Config, _measure, _profile_done, _say, _settle
+from .run import REPO, Config, _measure, _profile_done, _say, _settle, start_upstream
 
 SCENARIOS = ("stream-c16", "plain-c16")
 BASE, HOOKS, TRACED = "mitmdump", "mitmdump+hooks", "mitmdump+trace"
@@ -106,16 +106,7 @@ def _median(values: list[float | None]) -> float | None:
 
 async def _run(cfg: Config, procs: list[Proc]) -> dict[str, Any]:
     out = cfg.out
-    upstream_port = free_port()
-    upstream = spawn(
-        "upstream",
-        [sys.executable, "-m", "bench.upstream", "--port", str(upstream_port)],
-        core=RIG_CORE,
-        log_dir=out,
-        cwd=REPO,
-    )
-    procs.append(upstream)
-    wait_port(upstream_port, upstream.popen, timeout=15)
+    upstream, upstream_port = start_upstream(out, procs)
     names = [BASE, HOOKS, TRACED]
     targets = {name: _start(name, upstream_port, out) for name in names}
     for t in targets.values():

@@ -33,9 +33,10 @@ REQUEST = (
 )
 
 
-def _drive(port: int, requests: int, deadline: float) -> int:
-    """``requests`` streaming requests over 4 keep-alive connections; how many completed."""
-    socks = [socket.create_connection(("127.0.0.1", port), timeout=120) for _ in range(4)]
+def _drive(port: int, requests: int, deadline: float, *, conns: int = 4) -> int:
+    """``requests`` streaming requests over ``conns`` keep-alive connections, one request on
+    each at a time; how many completed."""
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=120) for _ in range(conns)]
     done = 0
     try:
         while done < requests and time.monotonic() < deadline:

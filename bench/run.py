@@ -323,18 +323,24 @@ def _tracer_health(out: Path) -> dict[str, Any]:
     return health
 
 
-async def _run(cfg: Config, procs: list[Proc], started: list[peers.Target]) -> dict[str, Any]:
-    out = cfg.out
-    upstream_port = free_port()
+def start_upstream(out: Path, procs: list[Proc]) -> tuple[Proc, int]:
+    """The bench upstream on the rig's core, listening (appended to ``procs`` at once)."""
+    port = free_port()
     upstream = spawn(
         "upstream",
-        [sys.executable, "-m", "bench.upstream", "--port", str(upstream_port)],
+        [sys.executable, "-m", "bench.upstream", "--port", str(port)],
         core=RIG_CORE,
         log_dir=out,
         cwd=REPO,
     )
     procs.append(upstream)
-    wait_port(upstream_port, upstream.popen, timeout=15)
+    wait_port(port, upstream.popen, timeout=15)
+    return upstream, port
+
+
+async def _run(cfg: Config, procs: list[Proc], started: list[peers.Target]) -> dict[str, Any]:
+    out = cfg.out
+    upstream, upstream_port = start_upstream(out, procs)
 
     targets: dict[str, peers.Target] = {}
     skipped: dict[str, str] = {}
