@@ -25,7 +25,8 @@ mitmproxy hook             events
                            (mitmproxy #4469) with a callable that observes each piece
                            and returns it unchanged
 stream callable            ``body`` records, batched as the tap does (per piece: its time
-                           and size; SSE events with their kinds, via ``SseObserver``)
+                           and size; SSE events with their kinds, via ``SseObserver``, found
+                           when the batch is written)
 ``response`` / ``error``   ``response_end`` with the termination
 ``client_disconnected``    ``conn_close``
 a ticker (``running``)     ``stall`` start/end; flushes body batches
@@ -52,10 +53,12 @@ Rules:
    FIN versus reset (``close`` is absent; ``conn_close.how`` is ``unknown``), half-close.
    See ``addons/README.md``.
 5. Cost: the stream callable is called once per piece of body, so it only takes the
-   time, the size and (for SSE) the piece's events, with a shortcut past the classifier
-   for the usual content chunk (``ContentShape``); records are built a batch at a time;
-   nothing of a finished exchange waits for mitmproxy's garbage collector (``_let_go``).
-   ``python -m bench.run --scenarios addon`` measures what the addon costs mitmdump.
+   time and the size and keeps the piece; the pieces are looked at a batch at a time,
+   when the batch is written (SSE events via ``SseObserver.batch``, with a shortcut past
+   the classifier for the usual content chunk, ``ContentShape``), while that code is
+   warm; nothing of a finished exchange waits for mitmproxy's garbage collector
+   (``_let_go``). ``python -m bench.run --scenarios addon`` measures what the addon costs
+   mitmdump, ``python -m bench.addon_hooks`` where it goes.
 """
 
 from __future__ import annotations
@@ -161,17 +164,15 @@ class ContentShape:
     prefix, a non-empty text without ``"``, CR or LF, and the same suffix gets the same
     answer from it: the classifier's patterns all begin with a ``"``, so none can start
     inside the text, and the suffix (which must go on with ``,`` or ``}`` after the
-    closing quote) cannot complete one that began before. The stream callable checks
-    that in a few byte comparisons (``prefix_len``: 0 until a shape is learned; the text
-    runs from ``prefix_len`` to ``len(piece) - suffix_len``), written out inline there
-    because it runs for every piece.
+    closing quote) cannot complete one that began before. ``SseObserver`` checks that in
+    a few byte comparisons per piece, or for a run of pieces at once.
     """
 
-    __slots__ = ("prefix", "prefix_len", "suffix", "suffix_len")
+    __slots__ = ("prefix", "prefix_len", "quotes", "suffix", "suffix_len")
 
     def __init__(self) -> None:
         self.prefix = self.suffix = b""
-        self.prefix_len = self.suffix_len = 0
+        self.prefix_len = self.suffix_len = self.quotes = 0
 
     def learn(self, event: bytes, sse: SseEvent) -> None:
         """``event``: one whole event (its blank line included), ``sse``: its class."""
@@ -187,24 +188,58 @@ class ContentShape:
         end = event.find(b'"', start)
         if start < 11 or end <= start or event[end + 1 : end + 2] not in (b",", b"}"):
             return
+        # the event's only LFs are its last two bytes (it ends with its blank line): the
+        # suffix holds both, and neither part holds a CR
         self.prefix, self.suffix = event[:start], event[end:]
         self.prefix_len, self.suffix_len = start, len(event) - end
+        self.quotes = self.prefix.count(b'"') + self.suffix.count(b'"')
+
+    def fits(self, piece: bytes) -> bool:
+        """Whether ``piece`` is one plain content chunk of this shape."""
+        start = self.prefix_len
+        end = len(piece) - self.suffix_len
+        return (
+            0 < start < end
+            and piece.startswith(self.prefix)
+            and piece.endswith(self.suffix)
+            and _NOT_IN_TEXT.search(piece, start, end) is None
+        )
+
+    def all_fit(self, pieces: list[bytes]) -> bool:
+        """``fits`` for every piece, at C speed: each piece begins with the prefix, ends
+        with the suffix and is longer than both, so the quotes and LFs of the joined
+        pieces are the prefixes' and suffixes' exactly when no text holds one."""
+        n = len(pieces)
+        if not self.prefix_len or min(map(len, pieces)) <= self.prefix_len + self.suffix_len:
+            return False
+        if not all(map(bytes.startswith, pieces, repeat(self.prefix))):
+            return False
+        if not all(map(bytes.endswith, pieces, repeat(self.suffix))):
+            return False
+        joined = b"".join(pieces)
+        return (
+            joined.count(b'"') == n * self.quotes
+            and joined.count(b"\n") == 2 * n
+            and joined.find(b"\r") < 0
+        )
 
 
 _NOT_IN_TEXT = re.compile(rb'["\r\n]')
-_NO_SHAPE = ContentShape()  # never learns: the stream callable of a non-SSE response
 
 
 class SseObserver:
-    """The SSE events of a response, piece by piece: ``sse.SseSplitter`` with shortcuts.
+    """The SSE events of a response, a batch of pieces at a time: ``sse.SseSplitter`` with
+    shortcuts.
 
-    The stream callable takes a piece that is a plain content chunk of the connection's
-    ``ContentShape`` for one ``content`` event (no finish_reason, usage or error)
-    without calling ``feed``; ``feed`` gives the events of the other pieces, the same
-    as ``SseSplitter.feed`` would: a piece that is one whole event (an event per chunk:
-    the usual) is classified alone and may teach the shape; anything else goes through
-    the splitter. While the splitter holds the beginning of an event (``held``), every
-    piece must go to ``feed``. ``tests/test_addon_trace.py`` checks the stream callable
+    ``batch`` gives the events of the pieces that are not plain content chunks of the
+    connection's ``ContentShape`` (by index; each of the others is one ``content`` event
+    with no finish_reason, usage or error), the same as ``SseSplitter.feed`` piece by
+    piece would: a piece that is one whole event (an event per chunk: the usual) is
+    classified alone and may teach the shape; anything else goes through the splitter.
+    While the splitter holds the beginning of an event (``held``), every piece must go to
+    it. The pieces between the first and the last plain chunk of a batch are tested
+    together (``ContentShape.all_fit``): an engine's specials (role, finish, usage,
+    ``[DONE]``) come first and last. ``tests/test_addon_trace.py`` checks ``batch``
     against the splitter.
     """
 
@@ -218,6 +253,24 @@ class SseObserver:
     @property
     def pending(self) -> int:
         return self.splitter.pending
+
+    def batch(self, pieces: list[bytes]) -> list[tuple[int, list[SseEvent]]]:
+        """The events of the pieces that are not plain content chunks, by index."""
+        specials: list[tuple[int, list[SseEvent]]] = []
+        shape, n, i = self.shape, len(pieces), 0
+        while i < n and (self.held or not shape.fits(pieces[i])):
+            specials.append((i, self.feed(pieces[i])))
+            i += 1
+        last = n
+        while last > i and not shape.fits(pieces[last - 1]):
+            last -= 1
+        if last - i > 2 and shape.all_fit(pieces[i:last] if i or last < n else pieces):
+            i = last  # nothing held: plain chunks leave the splitter alone
+        for j in range(i, n):
+            piece = pieces[j]
+            if self.held or not shape.fits(piece):
+                specials.append((j, self.feed(piece)))
+        return specials
 
     def feed(self, piece: bytes) -> list[SseEvent]:
         if self.held:
@@ -243,14 +296,13 @@ class _Flow(ResponseState[SseObserver]):
         "conn",
         "flow_id",
         "json_body",
-        "raw",
+        "pieces",
         "req_bytes",
         "req_chain",
         "req_hash",
         "req_parts",
         "resp_chain",
         "sizes",
-        "specials",
         "streamed_request",
         "streamed_response",
         "times",
@@ -273,12 +325,11 @@ class _Flow(ResponseState[SseObserver]):
         self.streamed_response = False
         self.body_end_m: float | None = None
         # body pieces observed but not yet written (see _response_observer): arrival
-        # times, sizes, the SSE events of those that are not a plain content chunk
-        # (by index), and the bytes themselves with tracer_bodies=all
+        # times, sizes, and the pieces themselves for SSE (classified a batch at a time)
+        # and with tracer_bodies=all
         self.times: list[float] = []
         self.sizes: list[int] = []
-        self.specials: list[tuple[int, list[SseEvent]]] = []
-        self.raw: list[bytes] | None = None
+        self.pieces: list[bytes] | None = None
 
 
 class TraceAddon:
@@ -699,8 +750,8 @@ class TraceAddon:
         st.conn.upstream_bytes += size
         if sse:
             st.sse = SseObserver(st.conn.shape)
-        if self.bodies == "all":
-            st.raw = []
+        if sse or self.bodies == "all":
+            st.pieces = []
         self._activity(st.conn, head_m)
         self._emit(
             ev.ResponseHead(
@@ -733,15 +784,14 @@ class TraceAddon:
     def _response_observer(self, st: _Flow, chain: StreamFn | bool) -> StreamFn:
         """The stream callable: the hot path, one call per piece of body.
 
-        Each piece is observed at once (its time, size and SSE events) and let go; the
-        records are written a batch at a time (``body``): when a piece comes
-        ``BODY_BATCH_SECONDS`` (or ``BODY_BATCH_READS`` pieces) after the batch's first,
-        by the ticker, before a stall record and at the end of the response.
+        Each piece gets its time and size, and for SSE (or with tracer_bodies=all) is kept
+        until its batch is written (``body``): when a piece comes ``BODY_BATCH_SECONDS``
+        (or ``BODY_BATCH_READS`` pieces) after the batch's first, by the ticker, before a
+        stall record and at the end of the response. The SSE events are found then, a
+        batch at a time (``SseObserver.batch``): the work a piece costs is done while the
+        code doing it is warm, not between mitmproxy's own work on every piece.
         """
-        times, sizes, specials = st.times, st.sizes, st.specials
-        sse, raw = st.sse, st.raw
-        shape = sse.shape if sse is not None else _NO_SHAPE
-        not_in_text = _NOT_IN_TEXT.search
+        times, sizes, pieces = st.times, st.sizes, st.pieces
         monotonic = time.monotonic
         then = chain if callable(chain) else None
 
@@ -752,26 +802,10 @@ class TraceAddon:
                     now - times[0] >= BODY_BATCH_SECONDS or len(times) >= BODY_BATCH_READS
                 ):
                     self._flush_guarded(st)
-                # a plain content chunk of the connection's ContentShape is one content
-                # event (ContentShape's test, written out); the other pieces go to feed
-                if sse is not None and (
-                    sse.held
-                    or not (start := shape.prefix_len)
-                    or (end := len(data) - shape.suffix_len) <= start
-                    or not data.startswith(shape.prefix)
-                    or not data.endswith(shape.suffix)
-                    or not_in_text(data, start, end) is not None
-                ):
-                    try:
-                        found = sse.feed(data)
-                    except Exception:
-                        found = []
-                        log.exception("tracer: observing a response body failed")
-                    specials.append((len(times), found))
                 times.append(now)
                 sizes.append(len(data))
-                if raw is not None:
-                    raw.append(data)
+                if pieces is not None:
+                    pieces.append(data)
             elif st.body_end_m is None:  # mitmproxy's end-of-message call
                 st.body_end_m = monotonic()
             return data if then is None else then(data)
@@ -786,11 +820,12 @@ class TraceAddon:
         finally:
             st.times.clear()
             st.sizes.clear()
-            st.specials.clear()
+            if st.pieces:
+                st.pieces.clear()
 
     def _flush_body(self, st: _Flow) -> None:
         """Write the pieces observed so far as one ``body`` record."""
-        times, sizes, specials = st.times, st.sizes, st.specials
+        times, sizes, pieces = st.times, st.sizes, st.pieces
         if not times:
             return
         first, last = times[0], times[-1]
@@ -806,7 +841,12 @@ class TraceAddon:
             st.max_gap = gap
         st.last_data_m = last
         events: list[Any] | None = None
-        if st.sse is not None:
+        if st.sse is not None and pieces is not None:
+            try:
+                specials = st.sse.batch(pieces)
+            except Exception:
+                specials = [(i, []) for i in range(len(pieces))]
+                log.exception("tracer: observing a response body failed")
             events, plain = self._sse_records(st, dts, sizes, specials, times)
             st.events += len(times) - len(specials)
             if plain >= 0 and (st.first_token_m is None or times[plain] < st.first_token_m):
@@ -817,9 +857,10 @@ class TraceAddon:
         if last > conn.last_activity_m:
             conn.last_activity_m = last
         data_text = encoding = None
-        if st.raw:
-            data_text, encoding = encode_body(b"".join(st.raw))
-            st.raw.clear()
+        if pieces:
+            if self.bodies == "all":
+                data_text, encoding = encode_body(b"".join(pieces))
+            pieces.clear()
         self._emit(
             ev.BodyData(
                 t=first + self._wall,
@@ -837,7 +878,6 @@ class TraceAddon:
         )
         times.clear()
         sizes.clear()
-        specials.clear()
 
     def _sse_records(
         self,

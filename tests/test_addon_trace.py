@@ -228,8 +228,9 @@ def _described(found: list[Any]) -> list[tuple[Any, ...]]:
 
 @pytest.mark.parametrize("seed", range(40))
 def test_the_sse_shortcut_gives_what_the_splitter_gives(seed: int, tmp_path: Path) -> None:
-    """The stream callable, piece by piece: a piece it takes for a plain content chunk
-    is one to the splitter; for the others it notes what the splitter says."""
+    """Pieces through the stream callable, in batches of any size: a piece the batch
+    takes for a plain content chunk is one to the splitter; for the others it gives
+    what the splitter says."""
     rng = random.Random(seed)
     with addon_ctx(tmp_path) as (addon, _):
         client = a_flow().client_conn  # one ContentShape per connection: it outlives a response
@@ -239,19 +240,59 @@ def test_the_sse_shortcut_gives_what_the_splitter_gives(seed: int, tmp_path: Pat
             flow.response = sse_response()
             addon.responseheaders(flow)
             stream, st = flow.response.stream, addon._flows[flow.id]
+            pieces = _pieces(_corpus(rng), rng)
             reference = SseSplitter()
-            for piece in _pieces(_corpus(rng), rng):
-                st.times.clear(), st.sizes.clear(), st.specials.clear()  # one piece a batch
-                expected = _described(reference.feed(piece))
-                assert stream(piece) == piece
-                if not st.specials:
-                    assert expected == [(len(piece), "content", True, None, None, None)], piece
-                else:
-                    assert _described(st.specials[0][1]) == expected, piece
-                assert st.sse.splitter.pending == reference.pending
-            st.times.clear(), st.sizes.clear(), st.specials.clear()
+            expected, pending = [], []
+            for piece in pieces:
+                expected.append(_described(reference.feed(piece)))
+                pending.append(reference.pending)
+            at = 0
+            while at < len(pieces):
+                batch = pieces[at : at + rng.choice([1, 2, 3, 5, 8, 20, 60])]
+                for piece in batch:
+                    assert stream(piece) == piece
+                assert st.pieces == batch
+                specials = dict(st.sse.batch(st.pieces))
+                for i, piece in enumerate(batch):
+                    if i in specials:
+                        assert _described(specials[i]) == expected[at + i], piece
+                    else:
+                        plain = [(len(piece), "content", True, None, None, None)]
+                        assert expected[at + i] == plain, piece
+                at += len(batch)
+                assert st.sse.splitter.pending == pending[at - 1]
+                st.times.clear(), st.sizes.clear(), st.pieces.clear()
             addon.response(flow)
         assert st.sse.shape.prefix  # the shortcut was taken
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_run_of_pieces_fits_when_each_piece_does(seed: int) -> None:
+    """``ContentShape.all_fit`` (counts over the joined run) against ``fits`` piece by
+    piece, on runs of usual chunks with one spoiled now and then."""
+    module = _load_addon()
+    rng = random.Random(seed)
+    shape = module.ContentShape()
+    learned = _chunk({"role": None, "content": "x", "tool_calls": None})
+    shape.learn(learned, module.classify(learned[:-2]))
+    assert shape.prefix_len
+    spoilers = [b'"', b"\r", b"\n", b'","finish_reason":"stop', b"\n\ndata: {", b"\\"]
+    for _ in range(200):
+        run = []
+        for _ in range(rng.randrange(1, 12)):
+            text = rng.choice(["t", "a b", "\u00e9", "x" * 50, ""]).encode()
+            piece = _chunk({"role": None, "content": "@", "tool_calls": None})
+            r = rng.random()
+            if r < 0.05:
+                text += rng.choice(spoilers)
+            elif r < 0.07:
+                piece = piece[1:]
+            elif r < 0.09:
+                piece = piece[:-1]
+            elif r < 0.1:
+                piece = _chunk({"content": "y"}, "stop")
+            run.append(piece.replace(b"@", text))
+        assert shape.all_fit(run) == all(shape.fits(p) for p in run), run
 
 
 @pytest.mark.parametrize("version", ["HTTP/1.1", "HTTP/1.0", "HTTP/2.0"])
