@@ -64,7 +64,6 @@ Rules:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import hashlib
 import importlib.util
@@ -649,7 +648,7 @@ class TraceAddon:
                 method=req.method,
                 target=req.path,
                 version=_version(req.http_version),
-                headers=redact_headers(req.headers.fields),
+                headers=redact_headers(fields),
                 request_id=request_id,
                 content_length=content_length,
                 chunked=chunked,
@@ -763,7 +762,7 @@ class TraceAddon:
                 status=resp.status_code,
                 reason=resp.reason,
                 version=_version(resp.http_version),
-                headers=redact_headers(resp.headers.fields),
+                headers=redact_headers(fields),
                 ttfb=round(head_m - st.head_m, 6),
                 sse=sse,
                 content_length=content_length,
@@ -831,7 +830,7 @@ class TraceAddon:
         first, last = times[0], times[-1]
         if st.stall_start_m is not None and first > st.stall_start_m:
             self._end_stall(st, first)  # the first bytes after a stall end it
-        dts = [int((m - first) * 1e6 + 0.5) / 1e6 for m in times]  # round(…, 6), cheaper
+        dts = [((m - first) * 1e6 + 0.5) // 1 / 1e6 for m in times]  # round(…, 6), cheaper
         total = sum(sizes)
         prev = st.last_data_m
         gap = max(map(sub, islice(dts, 1, None), dts), default=0.0)  # within the batch
@@ -1035,10 +1034,14 @@ class TraceAddon:
         st.ended = True
         self._flush_body(st)
         conn = st.conn
-        with contextlib.suppress(ValueError):
-            conn.pending.remove(st)
+        pending = conn.pending
+        if pending and pending[0] is st:  # the usual: responses end in order
+            del pending[0]
+        elif st in pending:
+            pending.remove(st)
         self._flows.pop(st.flow_id, None)
-        self._end_stall(st, m)
+        if st.stall_start_m is not None:
+            self._end_stall(st, m)
         conn.last_end_m = m
         conn.last_activity_m = max(conn.last_activity_m, m)
         self._emit(
