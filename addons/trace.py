@@ -263,7 +263,7 @@ class SseObserver:
         last = n
         while last > i and not shape.fits(pieces[last - 1]):
             last -= 1
-        if last - i > 2 and shape.all_fit(pieces[i:last] if i or last < n else pieces):
+        if last - i > 2 and shape.all_fit(pieces[i:last]):
             i = last  # nothing held: plain chunks leave the splitter alone
         for j in range(i, n):
             piece = pieces[j]

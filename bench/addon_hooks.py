@@ -28,66 +28,20 @@ from pathlib import Path
 
 from . import peers
 from .addon_instructions import EVENTS_PER_REQUEST, _drive
+from .hook_timers import timed
 from .procs import Proc, cpu_seconds, free_port, spawn, wait_port
 from .run import REPO, _pin_self, start_upstream
 
-# The wrapper mitmdump loads instead of addons/trace.py: the same addon, hooks timed.
-WRAPPER = '''\
-"""addons/trace.py with a timer around each hook and stream callable (bench.addon_hooks)."""
-
-import importlib.util
-import json
+# The script mitmdump loads instead of addons/trace.py: the same addon, hooks timed.
+WRAPPER = """\
 import os
-import signal
-import time
+import sys
 
-_spec = importlib.util.spec_from_file_location("traced_addon", os.environ["TRACE_ADDON"])
-trace = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(trace)
-clock = time.perf_counter
-STATS = {}
+sys.path.insert(0, {repo!r})
+from bench.hook_timers import install
 
-
-def timed(name, fn):
-    def call(*args, **kwargs):
-        start = clock()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            spent = clock() - start
-            entry = STATS.get(name)
-            if entry is None:
-                entry = STATS[name] = [0.0, 0]
-            entry[0] += spent
-            entry[1] += 1
-
-    return call
-
-
-for _hook in HOOKS:
-    setattr(trace.TraceAddon, _hook, timed(_hook, getattr(trace.TraceAddon, _hook)))
-
-
-def _observer(name, factory):
-    def make(self, st, chain):
-        return timed(name, factory(self, st, chain))
-
-    return make
-
-
-trace.TraceAddon._response_observer = _observer(
-    "response stream callable", trace.TraceAddon._response_observer
-)
-trace.TraceAddon._request_observer = _observer(
-    "request stream callable", trace.TraceAddon._request_observer
-)
-signal.signal(signal.SIGUSR1, lambda *_: STATS.clear())
-signal.signal(
-    signal.SIGUSR2,
-    lambda *_: open(os.environ["HOOK_STATS"], "w").write(json.dumps(STATS)),
-)
-addons = trace.addons
-'''
+addons = install(os.environ["TRACE_ADDON"], {hooks!r}, os.environ["HOOK_STATS"])
+"""
 
 HOOKS = (
     "client_connected",
@@ -105,33 +59,20 @@ CONNECTIONS = 16
 
 
 def _timer_cost() -> float:
-    """Seconds one timed call adds (two perf_counter calls and the bookkeeping), here."""
-    stats: dict[str, list[float]] = {}
-    clock = time.perf_counter
-
-    def call() -> None:
-        start = clock()
-        try:
-            return None
-        finally:
-            entry = stats.get("x")
-            if entry is None:
-                entry = stats["x"] = [0.0, 0]
-            entry[0] += clock() - start
-            entry[1] += 1
+    """Seconds one timed call adds (``hook_timers.timed`` around a function doing nothing)."""
 
     def bare() -> None:
         return None
 
     n = 200_000
     best = []
-    for fn in (call, bare):
+    for fn in (timed("calibration", bare), bare):
         runs = []
         for _ in range(5):
-            t = clock()
+            t = time.perf_counter()
             for _ in range(n):
                 fn()
-            runs.append(clock() - t)
+            runs.append(time.perf_counter() - t)
         best.append(min(runs) / n)
     return max(0.0, best[0] - best[1])
 
@@ -158,7 +99,7 @@ def measure(
         script = out / "mitm_stream.py"
         script.write_text(peers.MITM_SCRIPT)
         wrapper = out / "mitm_trace_timed.py"
-        wrapper.write_text(WRAPPER.replace("HOOKS", repr(hooks), 1))
+        wrapper.write_text(WRAPPER.format(repo=str(REPO), hooks=hooks))
         stats_path = out / "addon-hooks.json"
         stats_path.unlink(missing_ok=True)
         capture = out / "addon-hooks-tap.jsonl"
@@ -180,9 +121,7 @@ def measure(
         wait_port(port, mitm.popen, timeout=30)
         deadline = time.monotonic() + 300
         _drive(port, 64, deadline, conns=CONNECTIONS)  # warm-up: imports, connections
-        mitm.popen.send_signal(signal.SIGUSR1)
-        _drive(port, CONNECTIONS, deadline, conns=CONNECTIONS)  # the reset has run by now
-        mitm.popen.send_signal(signal.SIGUSR1)
+        mitm.popen.send_signal(signal.SIGUSR1)  # zero the timers (mitmdump is idle now)
         cpu0 = cpu_seconds(mitm.pid)
         done = _drive(port, requests, deadline, conns=CONNECTIONS)
         cpu1 = cpu_seconds(mitm.pid)

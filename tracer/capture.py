@@ -130,14 +130,13 @@ class CaptureWriter:
             batch[:0] = encode_line(loss.to_record())
         if self._torn:
             batch[:0] = b"\n"  # end the torn fragment so the next record parses
-        data = batch
-        view = memoryview(data)
+        view = memoryview(batch)
         try:
             while view:
                 n = os.write(self._fd, view)
                 view = view[n:]
         except OSError as exc:
-            self._torn = len(view) != len(data)
+            self._torn = len(view) != len(batch)
             # Records wholly unwritten are lost; a partly written one is torn.
             lost_lines = view.tobytes().count(b"\n")
             with self._lock:
