@@ -36,8 +36,9 @@ a ticker (``running``)     ``stall`` start/end; flushes body batches
 
 Rules:
 
-1. Observation never changes traffic: the stream callable returns its input (or hands
-   it on to a stream callable another addon set first), and once the exchange has ended
+1. Observation never changes traffic, nor holds it back: the stream callable returns its
+   input (or hands it on to a stream callable another addon set first) and leaves the
+   writing of a batch it made due to the loop's next round; once the exchange has ended
    the flow's ``stream`` attributes get back what they held before; a failure in this
    addon is logged and forwarding goes on. Without ``tracer_capture`` the addon does
    nothing.
@@ -293,6 +294,7 @@ class _Flow(ResponseState[SseObserver]):
         "by_proxy",
         "closes",
         "conn",
+        "due",
         "flow_id",
         "json_body",
         "pieces",
@@ -329,6 +331,7 @@ class _Flow(ResponseState[SseObserver]):
         self.times: list[float] = []
         self.sizes: list[int] = []
         self.pieces: list[bytes] | None = None
+        self.due: int | None = None  # pieces of the batch due to be written (_write_due)
 
 
 class TraceAddon:
@@ -788,19 +791,31 @@ class TraceAddon:
         (or ``BODY_BATCH_READS`` pieces) after the batch's first, by the ticker, before a
         stall record and at the end of the response. The SSE events are found then, a
         batch at a time (``SseObserver.batch``): the work a piece costs is done while the
-        code doing it is warm, not between mitmproxy's own work on every piece.
+        code doing it is warm, not between mitmproxy's own work on every piece. A batch
+        made due by a piece is written just after mitmproxy has sent that piece on
+        (``_write_due``), not before: observation does not hold a token back.
         """
         times, sizes, pieces = st.times, st.sizes, st.pieces
         monotonic = time.monotonic
         then = chain if callable(chain) else None
+        try:
+            soon: Callable[..., Any] | None = asyncio.get_running_loop().call_soon
+        except RuntimeError:  # called outside mitmproxy's loop: write at once
+            soon = None
 
         def observe(data: bytes) -> Iterable[bytes] | bytes:
             if data:
                 now = monotonic()
-                if times and (
-                    now - times[0] >= BODY_BATCH_SECONDS or len(times) >= BODY_BATCH_READS
+                if (
+                    times
+                    and st.due is None
+                    and (now - times[0] >= BODY_BATCH_SECONDS or len(times) >= BODY_BATCH_READS)
                 ):
-                    self._flush_guarded(st)
+                    st.due = len(times)
+                    if soon is None:
+                        self._write_due(st)
+                    else:
+                        soon(self._write_due, st)
                 times.append(now)
                 sizes.append(len(data))
                 if pieces is not None:
@@ -811,7 +826,26 @@ class TraceAddon:
 
         return observe
 
+    def _write_due(self, st: _Flow) -> None:
+        """Write the batch that was due (its first ``st.due`` pieces); the pieces that
+        came since begin the next one. Nothing to do if it was written meanwhile (the end
+        of the response, a stall: every write clears ``due``)."""
+        due = st.due
+        if due is None or st.ended:
+            return
+        times, sizes, pieces = st.times, st.sizes, st.pieces
+        later = times[due:], sizes[due:], pieces[due:] if pieces is not None else None
+        del times[due:], sizes[due:]
+        if pieces is not None:
+            del pieces[due:]
+        self._flush_guarded(st)
+        times += later[0]
+        sizes += later[1]
+        if pieces is not None and later[2] is not None:
+            pieces += later[2]
+
     def _flush_guarded(self, st: _Flow) -> None:
+        st.due = None
         try:
             self._flush_body(st)
         except Exception:

@@ -520,6 +520,39 @@ def test_stalls_start_on_tick_and_end_with_the_next_bytes(tmp_path: Path) -> Non
     assert records(path)[-1]["type"] == "capture_end"
 
 
+@pytest.mark.anyio
+async def test_a_due_batch_is_written_after_the_piece_that_made_it_due(tmp_path: Path) -> None:
+    """In mitmproxy's loop the piece that makes a batch due goes on first; the batch, as
+    it was before that piece, is written in the loop's next round."""
+    with addon_ctx(tmp_path) as (addon, path):
+        flow = a_flow()
+        start(addon, flow)
+        flow.response = sse_response()
+        addon.responseheaders(flow)
+        stream, st = flow.response.stream, addon._flows[flow.id]
+        full = trace.BODY_BATCH_READS
+        for _ in range(full):
+            stream(SSE_CHUNKS[1])
+        assert st.due is None and len(st.times) == full
+        assert stream(SSE_CHUNKS[2]) == SSE_CHUNKS[2]  # due now: handed back, not written
+        assert st.due == full and len(st.times) == full + 1
+        await anyio.sleep(0)  # one round of the loop: the write scheduled for it runs
+        assert st.due is None and st.pieces == [SSE_CHUNKS[2]] and len(st.sizes) == 1
+        stream(SSE_CHUNKS[4])
+        stream(b"")
+        addon.response(flow)
+    bodies = records(path, "body")
+    assert [len(b["reads"]) for b in bodies] == [full, 2]
+    assert [len(b["sse"]) for b in bodies] == [full, 2]
+    assert bodies[1]["sse"][0][1:] == [len(SSE_CHUNKS[2]), "content"]
+    end = records(path, "response_end")[0]
+    assert (end["events"], end["done"], end["body_bytes"]) == (
+        full + 2,
+        True,
+        full * len(SSE_CHUNKS[1]) + len(SSE_CHUNKS[2]) + len(SSE_CHUNKS[4]),
+    )
+
+
 def records_now(addon: Any, path: Path, kind: str) -> list[dict[str, Any]]:
     """Records on disk so far (waits for the writer's background flush)."""
     deadline = time.monotonic() + 5
