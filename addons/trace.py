@@ -110,6 +110,11 @@ from tracer.sse import SseEvent, SseSplitter, classify
 log = logging.getLogger(__name__)
 
 BODIES = ("none", "requests", "all")
+# The pieces of a batch kept until it is written (SSE, tracer_bodies=all) stay under about
+# MAX_KEPT_BYTES: pieces under BIG_PIECE are bounded by BODY_BATCH_READS (256 x 4 KiB);
+# a bigger one makes the batch due once the batch would pass the bound.
+MAX_KEPT_BYTES = 1 << 20
+BIG_PIECE = 4096
 StreamFn = Callable[[bytes], Iterable[bytes] | bytes]
 StallDirection = Literal["upstream_silent", "client_not_reading", "client_silent"]
 # mitmproxy's words for the ends it reports only as text (mitmproxy/proxy/layers/http)
@@ -788,8 +793,8 @@ class TraceAddon:
 
         Each piece gets its time and size, and for SSE (or with tracer_bodies=all) is kept
         until its batch is written (``body``): when a piece comes ``BODY_BATCH_SECONDS``
-        (or ``BODY_BATCH_READS`` pieces) after the batch's first, by the ticker, before a
-        stall record and at the end of the response. The SSE events are found then, a
+        (or ``BODY_BATCH_READS`` pieces, or ``MAX_KEPT_BYTES``) after the batch's first,
+        by the ticker, before a stall record and at the end of the response. The SSE events are found then, a
         batch at a time (``SseObserver.batch``): the work a piece costs is done while the
         code doing it is warm, not between mitmproxy's own work on every piece. A batch
         made due by a piece is written just after mitmproxy has sent that piece on
@@ -806,10 +811,19 @@ class TraceAddon:
         def observe(data: bytes) -> Iterable[bytes] | bytes:
             if data:
                 now = monotonic()
+                size = len(data)
                 if (
                     times
                     and st.due is None
-                    and (now - times[0] >= BODY_BATCH_SECONDS or len(times) >= BODY_BATCH_READS)
+                    and (
+                        now - times[0] >= BODY_BATCH_SECONDS
+                        or len(times) >= BODY_BATCH_READS
+                        or (
+                            size >= BIG_PIECE
+                            and pieces is not None
+                            and sum(sizes) + size > MAX_KEPT_BYTES
+                        )
+                    )
                 ):
                     st.due = len(times)
                     if soon is None:
@@ -817,7 +831,7 @@ class TraceAddon:
                     else:
                         soon(self._write_due, st)
                 times.append(now)
-                sizes.append(len(data))
+                sizes.append(size)
                 if pieces is not None:
                     pieces.append(data)
             elif st.body_end_m is None:  # mitmproxy's end-of-message call

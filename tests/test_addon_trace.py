@@ -520,16 +520,21 @@ def test_stalls_start_on_tick_and_end_with_the_next_bytes(tmp_path: Path) -> Non
     assert records(path)[-1]["type"] == "capture_end"
 
 
+def streaming_sse(addon: Any) -> tuple[http.HTTPFlow, Callable[[bytes], Any], Any]:
+    """A request answered by an SSE head: the flow, its stream callable, the addon's state."""
+    flow = a_flow()
+    start(addon, flow)
+    flow.response = sse_response()
+    addon.responseheaders(flow)
+    return flow, flow.response.stream, addon._flows[flow.id]
+
+
 @pytest.mark.anyio
 async def test_a_due_batch_is_written_after_the_piece_that_made_it_due(tmp_path: Path) -> None:
     """In mitmproxy's loop the piece that makes a batch due goes on first; the batch, as
     it was before that piece, is written in the loop's next round."""
     with addon_ctx(tmp_path) as (addon, path):
-        flow = a_flow()
-        start(addon, flow)
-        flow.response = sse_response()
-        addon.responseheaders(flow)
-        stream, st = flow.response.stream, addon._flows[flow.id]
+        flow, stream, st = streaming_sse(addon)
         full = trace.BODY_BATCH_READS
         for _ in range(full):
             stream(SSE_CHUNKS[1])
@@ -551,6 +556,32 @@ async def test_a_due_batch_is_written_after_the_piece_that_made_it_due(tmp_path:
         True,
         full * len(SSE_CHUNKS[1]) + len(SSE_CHUNKS[2]) + len(SSE_CHUNKS[4]),
     )
+
+
+@pytest.mark.anyio
+async def test_big_pieces_make_a_batch_due_before_it_holds_a_mebibyte(tmp_path: Path) -> None:
+    """SSE pieces are kept until their batch is written: big ones (an event of 64 KiB)
+    must not pile up to 256 of them."""
+    event = b'data: {"choices":[{"delta":{"content":"' + b"x" * 65500 + b'"}}]}\n\n'
+    per_batch = trace.MAX_KEPT_BYTES // len(event)
+    with addon_ctx(tmp_path) as (addon, path):
+        flow, stream, st = streaming_sse(addon)
+        for _ in range(per_batch):
+            stream(event)
+        assert st.due is None
+        stream(event)
+        assert st.due == per_batch
+        await anyio.sleep(0)  # one round of the loop: the batch is written
+        assert len(st.pieces) == 1
+        for _ in range(per_batch + 3):
+            stream(event)
+            await anyio.sleep(0)
+            assert sum(map(len, st.pieces)) <= trace.MAX_KEPT_BYTES
+        stream(b"")
+        addon.response(flow)
+    bodies = records(path, "body")
+    assert [len(b["reads"]) for b in bodies] == [per_batch, per_batch, 4]
+    assert records(path, "response_end")[0]["events"] == 2 * per_batch + 4
 
 
 def records_now(addon: Any, path: Path, kind: str) -> list[dict[str, Any]]:
