@@ -794,11 +794,12 @@ class TraceAddon:
         Each piece gets its time and size, and for SSE (or with tracer_bodies=all) is kept
         until its batch is written (``body``): when a piece comes ``BODY_BATCH_SECONDS``
         (or ``BODY_BATCH_READS`` pieces, or ``MAX_KEPT_BYTES``) after the batch's first,
-        by the ticker, before a stall record and at the end of the response. The SSE events are found then, a
-        batch at a time (``SseObserver.batch``): the work a piece costs is done while the
-        code doing it is warm, not between mitmproxy's own work on every piece. A batch
-        made due by a piece is written just after mitmproxy has sent that piece on
-        (``_write_due``), not before: observation does not hold a token back.
+        by the ticker, before a stall record and at the end of the response. The SSE
+        events are found then, a batch at a time (``SseObserver.batch``): the work a
+        piece costs is done while the code doing it is warm, not between mitmproxy's own
+        work on every piece. A batch made due by a piece is written just after mitmproxy
+        has sent that piece on (``_write_due``), not before: observation does not hold a
+        token back.
         """
         times, sizes, pieces = st.times, st.sizes, st.pieces
         monotonic = time.monotonic
