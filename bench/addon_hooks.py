@@ -154,6 +154,11 @@ def report(stats: dict[str, list[float]], done: int, cpu: float, timer: float) -
         f"  mitmdump CPU over the same requests: {cpu / events * 1e6:.2f}µ per event; "
         f"the addon's timed code {total / cpu * 100 if cpu else 0:.1f} % of it"
     )
+    collected = sum(spent for name, (spent, _) in stats.items() if name.startswith("gc, "))
+    lines.append(
+        f"  garbage collections (mitmproxy's and the addon's): {collected / done * 1e6:.1f}µ "
+        "per request, counted again in the hook they landed in"
+    )
     lines.append(f"  each timer adds about {timer * 1e9:.0f} ns per call (not subtracted)")
     return lines
 

@@ -2,13 +2,16 @@
 
 The script ``bench.addon_hooks`` has mitmdump load calls ``install``, which loads
 ``addons/trace.py`` (or a variant) with a ``perf_counter`` pair around each named hook and
-each call of the two stream callables. SIGUSR1 zeroes the timers, SIGUSR2 writes them out
-as JSON (``{name: [seconds, calls]}``). Only the standard library: nothing else of the
-bench is imported into the proxy measured.
+each call of the two stream callables, and times every garbage collection of the process
+(``gc, generation N``: a collection runs inside whatever code allocated when
+it came due, so a full one, tens of ms, can land in a hook's time). SIGUSR1 zeroes the
+timers, SIGUSR2 writes them out as JSON (``{name: [seconds, calls]}``). Only the standard
+library: nothing else of the bench is imported into the proxy measured.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import signal
@@ -39,6 +42,21 @@ def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _time_collections() -> None:
+    clock = time.perf_counter
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = clock()
+            return
+        entry = STATS.setdefault(f"gc, generation {info['generation']}", [0.0, 0])
+        entry[0] += clock() - started[0]
+        entry[1] += 1
+
+    gc.callbacks.append(on_gc)
+
+
 def _observer(name: str, factory: Callable[..., Any]) -> Callable[..., Any]:
     def make(self: Any, st: Any, chain: Any) -> Any:
         return timed(name, factory(self, st, chain))
@@ -58,6 +76,7 @@ def install(addon: str, hooks: Iterable[str], stats_path: str) -> list[Any]:
         setattr(cls, hook, timed(hook, getattr(cls, hook)))
     cls._response_observer = _observer("response stream callable", cls._response_observer)
     cls._request_observer = _observer("request stream callable", cls._request_observer)
+    _time_collections()
     signal.signal(signal.SIGUSR1, lambda *_: STATS.clear())
     signal.signal(signal.SIGUSR2, lambda *_: Path(stats_path).write_text(json.dumps(STATS)))
     addons: list[Any] = trace.addons
