@@ -826,11 +826,7 @@ class TraceAddon:
                         )
                     )
                 ):
-                    st.due = len(times)
-                    if soon is None:
-                        self._write_due(st)
-                    else:
-                        soon(self._write_due, st)
+                    self._make_due(st, soon)
                 times.append(now)
                 sizes.append(size)
                 if pieces is not None:
@@ -840,6 +836,18 @@ class TraceAddon:
             return data if then is None else then(data)
 
         return observe
+
+    def _make_due(self, st: _Flow, soon: Callable[..., Any] | None) -> None:
+        """The batch so far is due: write it in the loop's next round, or at once when
+        there is no loop to hand it to (outside mitmproxy's loop, or a closed one)."""
+        st.due = len(st.times)
+        if soon is not None:
+            try:
+                soon(self._write_due, st)
+                return
+            except RuntimeError:
+                pass
+        self._write_due(st)
 
     def _write_due(self, st: _Flow) -> None:
         """Write the batch that was due (its first ``st.due`` pieces); the pieces that

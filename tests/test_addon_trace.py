@@ -10,6 +10,7 @@ are dropped.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import json
@@ -556,6 +557,26 @@ async def test_a_due_batch_is_written_after_the_piece_that_made_it_due(tmp_path:
         True,
         full * len(SSE_CHUNKS[1]) + len(SSE_CHUNKS[2]) + len(SSE_CHUNKS[4]),
     )
+
+
+def test_a_due_batch_is_written_at_once_when_its_loop_is_gone(tmp_path: Path) -> None:
+    """The stream callable must never raise: with the loop it was made in closed, a due
+    batch is written at once and the piece still goes on."""
+    with addon_ctx(tmp_path) as (addon, path):
+        loop = asyncio.new_event_loop()
+
+        async def answered() -> tuple[http.HTTPFlow, Callable[[bytes], Any], Any]:
+            return streaming_sse(addon)
+
+        flow, stream, st = loop.run_until_complete(answered())
+        loop.close()
+        for _ in range(trace.BODY_BATCH_READS):
+            stream(SSE_CHUNKS[1])
+        assert stream(SSE_CHUNKS[2]) == SSE_CHUNKS[2]
+        assert st.due is None and st.pieces == [SSE_CHUNKS[2]]
+        stream(b"")
+        addon.response(flow)
+    assert [len(b["reads"]) for b in records(path, "body")] == [trace.BODY_BATCH_READS, 1]
 
 
 @pytest.mark.anyio
