@@ -857,15 +857,16 @@ class TraceAddon:
         if due is None or st.ended:
             return
         times, sizes, pieces = st.times, st.sizes, st.pieces
-        later = times[due:], sizes[due:], pieces[due:] if pieces is not None else None
+        later_times, later_sizes = times[due:], sizes[due:]
+        later_pieces = pieces[due:] if pieces is not None else []
         del times[due:], sizes[due:]
         if pieces is not None:
             del pieces[due:]
         self._flush_guarded(st)
-        times += later[0]
-        sizes += later[1]
-        if pieces is not None and later[2] is not None:
-            pieces += later[2]
+        times += later_times
+        sizes += later_sizes
+        if pieces is not None:
+            pieces += later_pieces
 
     def _flush_guarded(self, st: _Flow) -> None:
         st.due = None

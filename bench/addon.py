@@ -61,28 +61,24 @@ addons = [Hooks()]
 """
 
 
-def _start(name: str, upstream_port: int, out: Path) -> peers.Target:
-    port = free_port()
+def mitmdump_argv(upstream_port: int, port: int, out: Path) -> list[str]:
+    """mitmdump as every addon comparison starts it (this one, ``bench.addon_hooks``,
+    ``bench.addon_instructions``): reverse mode to the bench upstream on 127.0.0.1, quiet,
+    bodies streamed (``stream_large_bodies=1`` and the streaming script); addons go after."""
     script = out / "mitm_stream.py"
     script.write_text(peers.MITM_SCRIPT)
     confdir = out / "mitmproxy"
     confdir.mkdir(exist_ok=True)
-    argv = [
-        str(Path(sys.executable).parent / "mitmdump"),
-        "--mode",
-        f"reverse:http://127.0.0.1:{upstream_port}",
-        "--listen-host",
-        "127.0.0.1",
-        "-p",
-        str(port),
-        "-q",
-        "--set",
-        "stream_large_bodies=1",
-        "--set",
-        f"confdir={confdir}",
-        "-s",
-        str(script),
-    ]
+    argv = [str(Path(sys.executable).parent / "mitmdump")]
+    argv += ["--mode", f"reverse:http://127.0.0.1:{upstream_port}"]
+    argv += ["--listen-host", "127.0.0.1", "-p", str(port), "-q"]
+    argv += ["--set", "stream_large_bodies=1", "--set", f"confdir={confdir}"]
+    return [*argv, "-s", str(script)]
+
+
+def _start(name: str, upstream_port: int, out: Path) -> peers.Target:
+    port = free_port()
+    argv = mitmdump_argv(upstream_port, port, out)
     if name == TRACED:
         capture = out / "addon-tap.jsonl"
         capture.unlink(missing_ok=True)

@@ -22,11 +22,11 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 from . import peers
+from .addon import mitmdump_argv
 from .addon_instructions import EVENTS_PER_REQUEST, _drive
 from .hook_timers import timed
 from .procs import Proc, cpu_seconds, free_port, spawn, wait_port
@@ -96,21 +96,14 @@ def measure(
     try:
         _, upstream_port = start_upstream(out, procs)
         port = free_port()
-        script = out / "mitm_stream.py"
-        script.write_text(peers.MITM_SCRIPT)
         wrapper = out / "mitm_trace_timed.py"
         wrapper.write_text(WRAPPER.format(repo=str(REPO), hooks=hooks))
         stats_path = out / "addon-hooks.json"
         stats_path.unlink(missing_ok=True)
         capture = out / "addon-hooks-tap.jsonl"
         capture.unlink(missing_ok=True)
-        confdir = out / "mitmproxy"
-        confdir.mkdir(exist_ok=True)
-        argv = [str(Path(sys.executable).parent / "mitmdump")]
-        argv += ["--mode", f"reverse:http://127.0.0.1:{upstream_port}"]
-        argv += ["--listen-host", "127.0.0.1", "-p", str(port), "-q"]
-        argv += ["--set", "stream_large_bodies=1", "--set", f"confdir={confdir}"]
-        argv += ["-s", str(script), "-s", str(wrapper), "--set", f"tracer_capture={capture}"]
+        argv = mitmdump_argv(upstream_port, port, out)
+        argv += ["-s", str(wrapper), "--set", f"tracer_capture={capture}"]
         env = {
             **os.environ,
             "TRACE_ADDON": str(addon),

@@ -21,8 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import peers
-from .addon import HOOKS_SCRIPT
+from .addon import HOOKS_SCRIPT, mitmdump_argv
 from .procs import free_port, wait_port
 from .run import REPO
 
@@ -66,12 +65,7 @@ def _summary(path: Path) -> int:
 def measure(name: str, upstream: int, out: Path, requests: int) -> tuple[int, int]:
     """(instructions, events) for one mitmdump variant."""
     port = free_port()
-    script = out / "mitm_stream.py"
-    script.write_text(peers.MITM_SCRIPT)
-    argv = [str(Path(sys.executable).parent / "mitmdump")]
-    argv += ["--mode", f"reverse:http://127.0.0.1:{upstream}", "--listen-host", "127.0.0.1"]
-    argv += ["-p", str(port), "-q", "--set", "stream_large_bodies=1"]
-    argv += ["--set", f"confdir={out / 'mitmproxy'}", "-s", str(script)]
+    argv = mitmdump_argv(upstream, port, out)
     if name == "hooks":
         hooks = out / "mitm_hooks.py"
         hooks.write_text(HOOKS_SCRIPT)

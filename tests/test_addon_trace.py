@@ -271,11 +271,10 @@ def test_the_sse_shortcut_gives_what_the_splitter_gives(seed: int, tmp_path: Pat
 def test_a_run_of_pieces_fits_when_each_piece_does(seed: int) -> None:
     """``ContentShape.all_fit`` (counts over the joined run) against ``fits`` piece by
     piece, on runs of usual chunks with one spoiled now and then."""
-    module = _load_addon()
     rng = random.Random(seed)
-    shape = module.ContentShape()
+    shape = trace.ContentShape()
     learned = _chunk({"role": None, "content": "x", "tool_calls": None})
-    shape.learn(learned, module.classify(learned[:-2]))
+    shape.learn(learned, trace.classify(learned[:-2]))
     assert shape.prefix_len
     spoilers = [b'"', b"\r", b"\n", b'","finish_reason":"stop', b"\n\ndata: {", b"\\"]
     for _ in range(200):
@@ -542,7 +541,7 @@ async def test_a_due_batch_is_written_after_the_piece_that_made_it_due(tmp_path:
         assert st.due is None and len(st.times) == full
         assert stream(SSE_CHUNKS[2]) == SSE_CHUNKS[2]  # due now: handed back, not written
         assert st.due == full and len(st.times) == full + 1
-        await anyio.sleep(0)  # one round of the loop: the write scheduled for it runs
+        await anyio.lowlevel.checkpoint()  # one round of the loop: the scheduled write runs
         assert st.due is None and st.pieces == [SSE_CHUNKS[2]] and len(st.sizes) == 1
         stream(SSE_CHUNKS[4])
         stream(b"")
@@ -592,11 +591,11 @@ async def test_big_pieces_make_a_batch_due_before_it_holds_a_mebibyte(tmp_path: 
         assert st.due is None
         stream(event)
         assert st.due == per_batch
-        await anyio.sleep(0)  # one round of the loop: the batch is written
+        await anyio.lowlevel.checkpoint()  # one round of the loop: the batch is written
         assert len(st.pieces) == 1
         for _ in range(per_batch + 3):
             stream(event)
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
             assert sum(map(len, st.pieces)) <= trace.MAX_KEPT_BYTES
         stream(b"")
         addon.response(flow)
