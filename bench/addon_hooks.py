@@ -27,8 +27,9 @@ from pathlib import Path
 
 from . import peers
 from .addon import mitmdump_argv
-from .addon_instructions import EVENTS_PER_REQUEST, _drive
+from .addon_instructions import EVENTS_PER_REQUEST, REQUEST, _drive, agent_request
 from .hook_timers import timed
+from .loadgen import agent_body
 from .procs import Proc, cpu_seconds, free_port, spawn, wait_port
 from .run import REPO, _pin_self, start_upstream
 
@@ -89,7 +90,7 @@ def _wait_for(path: Path, timeout: float) -> dict[str, list[float]]:
 
 
 def measure(
-    out: Path, requests: int, addon: Path, hooks: tuple[str, ...]
+    out: Path, requests: int, addon: Path, hooks: tuple[str, ...], request: bytes = REQUEST
 ) -> tuple[dict[str, list[float]], int, float]:
     """(timers by name, requests done, mitmdump CPU seconds) over the measured requests."""
     procs: list[Proc] = []
@@ -113,10 +114,10 @@ def measure(
         procs.append(mitm)
         wait_port(port, mitm.popen, timeout=30)
         deadline = time.monotonic() + 300
-        _drive(port, 64, deadline, conns=CONNECTIONS)  # warm-up: imports, connections
+        _drive(port, 64, deadline, conns=CONNECTIONS, request=request)  # warm-up
         mitm.popen.send_signal(signal.SIGUSR1)  # zero the timers (mitmdump is idle now)
         cpu0 = cpu_seconds(mitm.pid)
-        done = _drive(port, requests, deadline, conns=CONNECTIONS)
+        done = _drive(port, requests, deadline, conns=CONNECTIONS, request=request)
         cpu1 = cpu_seconds(mitm.pid)
         mitm.popen.send_signal(signal.SIGUSR2)
         return _wait_for(stats_path, 30), done, cpu1 - cpu0
@@ -125,11 +126,13 @@ def measure(
             proc.stop()
 
 
-def report(stats: dict[str, list[float]], done: int, cpu: float, timer: float) -> list[str]:
+def report(
+    stats: dict[str, list[float]], done: int, cpu: float, timer: float, body_note: str = ""
+) -> list[str]:
     events = done * EVENTS_PER_REQUEST
     lines = [
         f"where addons/trace.py spends its time inside mitmdump ({done} streaming requests, "
-        f"{EVENTS_PER_REQUEST} SSE events each, {CONNECTIONS} connections)",
+        f"{EVENTS_PER_REQUEST} SSE events each, {CONNECTIONS} connections{body_note})",
         f"  {'hook':26} {'calls/req':>9} {'per call':>9} {'per req':>9} {'per event':>9}",
     ]
     total = 0.0
@@ -169,13 +172,21 @@ def main(argv: list[str] | None = None) -> int:
         help="more TraceAddon methods to time, comma-separated (their time is in their "
         "callers' too), e.g. _flush_body,_end,_emit",
     )
+    p.add_argument(
+        "--agent",
+        action="store_true",
+        help="send each request with an agent's 64 KiB context as its body (bench.run's "
+        "agent-c16) instead of an empty one",
+    )
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     _pin_self()
     also = tuple(name for name in a.also.split(",") if name)
-    stats, done, cpu = measure(out, a.requests, Path(a.addon).resolve(), HOOKS + also)
-    for line in report(stats, done, cpu, _timer_cost()):
+    request = agent_request() if a.agent else REQUEST
+    body_note = f", request bodies of {len(agent_body())} B" if a.agent else ""
+    stats, done, cpu = measure(out, a.requests, Path(a.addon).resolve(), HOOKS + also, request)
+    for line in report(stats, done, cpu, _timer_cost(), body_note):
         print(line)
     return 0
 

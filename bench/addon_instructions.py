@@ -22,17 +22,24 @@ import time
 from pathlib import Path
 
 from .addon import HOOKS_SCRIPT, mitmdump_argv
+from .loadgen import agent_body
 from .procs import free_port, wait_port
 from .run import REPO
 
 EVENTS_PER_REQUEST = 65  # 64 events and [DONE]
-REQUEST = (
-    b"POST /stream HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-    b"content-length: 2\r\n\r\n{}"
-)
+REQUEST_HEAD = b"POST /stream HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+REQUEST = REQUEST_HEAD + b"content-length: 2\r\n\r\n{}"
 
 
-def _drive(port: int, requests: int, deadline: float, *, conns: int = 4) -> int:
+def agent_request() -> bytes:
+    """``REQUEST`` with an agent's 64 KiB context as its body (``bench.run``'s agent-c16)."""
+    body = agent_body()
+    return REQUEST_HEAD + f"content-length: {len(body)}\r\n\r\n".encode() + body
+
+
+def _drive(
+    port: int, requests: int, deadline: float, *, conns: int = 4, request: bytes = REQUEST
+) -> int:
     """``requests`` streaming requests over ``conns`` keep-alive connections, one request on
     each at a time; how many completed."""
     socks = [socket.create_connection(("127.0.0.1", port), timeout=120) for _ in range(conns)]
@@ -40,7 +47,7 @@ def _drive(port: int, requests: int, deadline: float, *, conns: int = 4) -> int:
     try:
         while done < requests and time.monotonic() < deadline:
             for s in socks:
-                s.sendall(REQUEST)
+                s.sendall(request)
             for s in socks:
                 buf = b""
                 while not buf.endswith(b"0\r\n\r\n"):
@@ -62,7 +69,9 @@ def _summary(path: Path) -> int:
     raise RuntimeError(f"no summary in {path}")
 
 
-def measure(name: str, upstream: int, out: Path, requests: int) -> tuple[int, int]:
+def measure(
+    name: str, upstream: int, out: Path, requests: int, request: bytes = REQUEST
+) -> tuple[int, int]:
     """(instructions, events) for one mitmdump variant."""
     port = free_port()
     argv = mitmdump_argv(upstream, port, out)
@@ -83,9 +92,9 @@ def measure(name: str, upstream: int, out: Path, requests: int) -> tuple[int, in
     try:
         wait_port(port, proc, timeout=300)
         deadline = time.monotonic() + 600
-        _drive(port, 8, deadline)  # warm-up: imports, first connections
+        _drive(port, 8, deadline, request=request)  # warm-up: imports, first connections
         subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True, capture_output=True)
-        done = _drive(port, requests, deadline)
+        done = _drive(port, requests, deadline, request=request)
         subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True, capture_output=True)
         dump = Path(f"{base}.{proc.pid}.1")
         for _ in range(200):  # the dump is written by the process itself, soon after
@@ -107,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--out", default="bench-out")
+    p.add_argument(
+        "--agent",
+        action="store_true",
+        help="requests carrying an agent's 64 KiB context (bench.run's agent-c16)",
+    )
     a = p.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("bench addon instructions: valgrind is not installed; skipped")
@@ -124,14 +138,16 @@ def main(argv: list[str] | None = None) -> int:
         wait_port(up_port, upstream, timeout=15)
         per_event: dict[str, float] = {}
         for name in ("mitmdump", "hooks", "trace"):
-            instructions, events = measure(name, up_port, out, a.requests)
+            request = agent_request() if a.agent else REQUEST
+            instructions, events = measure(name, up_port, out, a.requests, request)
             per_event[name] = instructions / events
             print(f"{name:9} {instructions / 1e6:9.1f} M instructions for {events} events")
     finally:
         upstream.terminate()
         upstream.wait(10)
     base = per_event["mitmdump"]
-    print(f"\ninstructions per SSE event (callgrind, {a.requests} streaming requests):")
+    bodies = ", each with an agent's 64 KiB context" if a.agent else ""
+    print(f"\ninstructions per SSE event (callgrind, {a.requests} streaming requests{bodies}):")
     for name, value in per_event.items():
         print(f"  {name:9} {value / 1000:7.1f} k   x{value / base:.3f}")
     return 0

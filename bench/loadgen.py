@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -31,14 +32,37 @@ ZERO_GAP = 100e-6
 """A gap shorter than this counts as zero: the events arrived in the same read or burst."""
 
 
+AGENT_BODY_BYTES = 64 * 1024
+"""The request body of ``agent`` mode: an agent harness's context (tool output and earlier
+turns; 64 KiB is about 16k tokens), where the other modes send a one-line question."""
+
+
+def agent_body(size: int = AGENT_BODY_BYTES, *, stream: bool = True) -> bytes:
+    """An OpenAI chat request of about ``size`` bytes: a system prompt, then user turns
+    (tool output) and assistant turns in alternation, as an agent's context grows."""
+    turn = ("Tool output: 12 files changed, 340 insertions(+), 51 deletions(-). " * 48)[:3000]
+    messages = [{"role": "system", "content": "You are a coding agent."}]
+    while len(messages) * 3040 < size:
+        role = "assistant" if len(messages) % 2 == 0 else "user"
+        messages.append({"role": role, "content": turn})
+    doc = {"model": "bench", "messages": messages, "max_tokens": 64, "stream": stream}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
 def request_bytes(mode: str, port: int) -> bytes:
+    """One request of ``mode``: ``plain`` (JSON answer), ``stream`` or ``paced`` (SSE), or
+    ``agent`` (``stream`` with an agent-sized body)."""
     stream = "false" if mode == "plain" else "true"
-    body = (
-        '{"model":"bench","messages":[{"role":"user","content":"Say hello."}],'
-        f'"max_tokens":64,"stream":{stream}}}'
-    ).encode()
+    path = "stream" if mode == "agent" else mode
+    if mode == "agent":
+        body = agent_body()
+    else:
+        body = (
+            '{"model":"bench","messages":[{"role":"user","content":"Say hello."}],'
+            f'"max_tokens":64,"stream":{stream}}}'
+        ).encode()
     return (
-        f"POST /{mode} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
+        f"POST /{path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
         f"accept: {'text/event-stream' if stream == 'true' else 'application/json'}\r\n"
         f"content-length: {len(body)}\r\n\r\n"
     ).encode() + body

@@ -164,7 +164,7 @@ async def _measure(
         m["wrk_output"] = res.get("raw", "")
         return m
     timeout = cfg.warmup + cfg.duration + 40
-    res = await asyncio.wait_for(
+    load = await asyncio.wait_for(
         run_load(
             target.port,
             mode,
@@ -176,7 +176,7 @@ async def _measure(
         ),
         timeout,
     )
-    return load_metrics(res)
+    return load_metrics(load)
 
 
 async def _settle(procs: list[Proc], limit: float = 10.0) -> float:
