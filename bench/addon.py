@@ -215,7 +215,8 @@ def aggregate(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any
                 "rounds": len(paired),
             }
             continue
-        ratios = [x for x in (_ratio(traced[r][rate], base[r][rate]) for r in paired) if x]
+        pairs = (_ratio(traced[r][rate], base[r][rate]) for r in paired)
+        ratios = [x for x in pairs if x is not None]
         agg[scen] |= {
             "throughput_ratio": _median(ratios),
             "throughput_ratio_range": [min(ratios), max(ratios)] if ratios else None,

@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_port(up_port, upstream, timeout=15)
         per_event: dict[str, float] = {}
+        request = agent_request() if a.agent else REQUEST
         for name in ("mitmdump", "hooks", "trace"):
-            request = agent_request() if a.agent else REQUEST
             instructions, events = measure(name, up_port, out, a.requests, request)
             per_event[name] = instructions / events
             print(f"{name:9} {instructions / 1e6:9.1f} M instructions for {events} events")

@@ -37,15 +37,15 @@ AGENT_BODY_BYTES = 64 * 1024
 turns; 64 KiB is about 16k tokens), where the other modes send a one-line question."""
 
 
-def agent_body(size: int = AGENT_BODY_BYTES, *, stream: bool = True) -> bytes:
-    """An OpenAI chat request of about ``size`` bytes: a system prompt, then user turns
-    (tool output) and assistant turns in alternation, as an agent's context grows."""
+def agent_body(size: int = AGENT_BODY_BYTES) -> bytes:
+    """A streaming OpenAI chat request of about ``size`` bytes: a system prompt, then user
+    turns (tool output) and assistant turns in alternation, as an agent's context grows."""
     turn = ("Tool output: 12 files changed, 340 insertions(+), 51 deletions(-). " * 48)[:3000]
     messages = [{"role": "system", "content": "You are a coding agent."}]
-    while len(messages) * 3040 < size:
+    while len(messages) * 3040 < size:  # a turn is its 3000 characters and ~40 of JSON
         role = "assistant" if len(messages) % 2 == 0 else "user"
         messages.append({"role": role, "content": turn})
-    doc = {"model": "bench", "messages": messages, "max_tokens": 64, "stream": stream}
+    doc = {"model": "bench", "messages": messages, "max_tokens": 64, "stream": True}
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
