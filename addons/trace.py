@@ -20,7 +20,8 @@ mitmproxy hook             events
 ``server_connected`` /     may open several upstream connections for one client connection:
 ``server_connect_error``   each gives its own records)
 ``requestheaders``         ``request`` (its position ``seq`` on the client connection)
-``request``                ``request_end`` (size, hash, OpenAI fields, body per option)
+``request``                ``request_end`` (size; the body per option, else its hash and
+                           OpenAI fields: a reader derives those of a kept body)
 ``responseheaders``        ``response``; switches streaming on for ``text/event-stream``
                            (mitmproxy #4469) with a callable that observes each piece
                            and returns it unchanged
@@ -91,6 +92,7 @@ from mitmproxy.proxy import server_hooks
 
 from tracer import __version__
 from tracer import events as ev
+from tracer.bodies import BodyEncoding, encode_body, openai_fields
 from tracer.capture import CaptureWriter
 from tracer.redact import redact_headers
 from tracer.sniff import (
@@ -99,9 +101,7 @@ from tracer.sniff import (
     MAX_BODY_KEEP,
     ResponseState,
     count_sse,
-    encode_body,
     end_stall,
-    openai_fields,
     response_end,
     response_head_facts,
 )
@@ -323,7 +323,7 @@ class _Flow(ResponseState[SseObserver]):
         self.req_chain: StreamFn | bool = False  # what request.stream was before ours
         self.resp_chain: StreamFn | bool = False  # ... and response.stream
         self.req_bytes = 0
-        self.req_hash: Any = None  # hashlib object while a streamed request body arrives
+        self.req_hash: Any = None  # hashlib object: a streamed request body not kept
         self.req_parts: list[bytes] | None = None
         self.by_proxy = False
         # who ends the connection after this exchange (Connection: close, HTTP/1.0)
@@ -666,8 +666,11 @@ class TraceAddon:
         )
         if req.stream:  # another addon streams the request: count it as it goes by
             st.streamed_request = True
-            st.req_hash = hashlib.sha256()
-            st.req_parts = [] if json_body or self.bodies != "none" else None
+            # kept for the record (and hashed at the end if it goes in without the body);
+            # hashed as it goes by instead when not needed at all, or once too big to keep
+            st.req_parts = []
+            if not json_body and self.bodies == "none":
+                st.req_hash, st.req_parts = hashlib.sha256(), None
             st.req_chain = req.stream
             req.stream = self._request_observer(st, req.stream)
 
@@ -676,12 +679,15 @@ class TraceAddon:
             if data:
                 try:
                     st.req_bytes += len(data)
-                    st.req_hash.update(data)
                     parts = st.req_parts
-                    if parts is not None:
+                    if parts is None:
+                        st.req_hash.update(data)
+                    elif st.req_bytes > MAX_BODY_KEEP:  # hashed from here on, not kept
+                        st.req_hash = hashlib.sha256(b"".join(parts))
+                        st.req_hash.update(data)
+                        st.req_parts = None
+                    else:
                         parts.append(data)
-                        if st.req_bytes > MAX_BODY_KEEP:
-                            st.req_parts = None
                     self._activity(st.conn, time.monotonic())
                 except Exception:
                     log.exception("tracer: observing a request body failed")
@@ -705,20 +711,21 @@ class TraceAddon:
         body: bytes | None
         if st.streamed_request:
             body = b"".join(st.req_parts) if st.req_parts is not None else None
-            size, digest = st.req_bytes, st.req_hash.hexdigest()
+            size = st.req_bytes
         else:
             body = content or b""
-            size, digest = len(body), hashlib.sha256(body).hexdigest()
-            if size > MAX_BODY_KEEP:
-                body = None
+            size = len(body)
         st.conn.client_bytes += size
         fields: dict[str, Any] = {}
-        if body and st.json_body:
-            fields = openai_fields(body)
         kept: str | None = None
-        encoding: Literal["utf-8", "base64"] | None = None
-        if self.bodies != "none" and body:
-            kept, encoding = encode_body(body)
+        encoding: BodyEncoding | None = None
+        digest: str | None = None
+        if self.bodies != "none" and body and size <= MAX_BODY_KEEP:
+            kept, encoding = encode_body(body)  # its hash and fields: the reader's work
+        else:
+            digest = (st.req_hash or hashlib.sha256(body or b"")).hexdigest()
+            if body and st.json_body and size <= MAX_BODY_KEEP:
+                fields = openai_fields(body)
         self._emit(
             ev.RequestEnd(
                 t=m + self._wall,

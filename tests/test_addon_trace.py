@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import importlib.util
 import json
 import os
@@ -36,7 +37,8 @@ from mitmproxy import connection, exceptions, http
 from mitmproxy.flow import Error
 from mitmproxy.net.http.http1 import connection_close
 
-from tracer.capture import read_records
+from tracer import events as ev
+from tracer.capture import read_events, read_records
 from tracer.sim.harness import HarnessConfig, run_harness
 from tracer.sse import SseSplitter
 
@@ -355,8 +357,11 @@ def test_sse_is_streamed_observed_unchanged_and_recorded(tmp_path: Path) -> None
     head = records(path, "request")[0]
     assert ["Authorization", "Bearer [redacted]"] in head["headers"]
     assert head["request_id"] == "rid-1" and head["seq"] == 1
-    end = records(path, "request_end")[0]
-    assert end["model"] == "m" and end["max_tokens"] == 4 and end["body_kept"]
+    end = records(path, "request_end")[0]  # the body kept: its hash and fields left to readers
+    assert end["body_kept"] and "body_sha256" not in end and "model" not in end
+    read = next(e for e in read_events(path) if isinstance(e, ev.RequestEnd))
+    assert read.model == "m" and read.max_tokens == 4
+    assert read.body_sha256 == hashlib.sha256(end["body"].encode()).hexdigest()
     body = records(path, "body")[0]
     assert [e[2] for e in body["sse"]] == ["role", "content", "content", "finish", "done"]
     assert len(body["reads"]) == 5 and body["chunks"] == 0
@@ -396,6 +401,34 @@ def test_a_stream_set_by_another_addon_is_chained(tmp_path: Path) -> None:
         assert callable(plain.response.stream)
         assert plain.response.stream(b"abc") == b"abc"
     assert sum(r["size"] for r in records(path, "body")) == len(SSE_CHUNKS[1]) + 3
+
+
+@pytest.mark.parametrize("bodies", ["none", "requests"])
+@pytest.mark.parametrize("keep", [1 << 20, 40])  # kept whole; over the bound after a piece
+def test_a_streamed_request_body_is_kept_or_hashed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bodies: str, keep: int
+) -> None:
+    """A kept body goes into the record and its hash and fields are left to the reader; one
+    not kept is hashed as it goes by, the pieces before the bound included."""
+    monkeypatch.setattr(trace, "MAX_BODY_KEEP", keep)
+    with addon_ctx(tmp_path, tracer_bodies=bodies) as (addon, path):
+        flow = a_flow()
+        body = flow.request.raw_content or b""
+        flow.request.stream = True  # another addon streams the request body
+        addon.client_connected(flow.client_conn)
+        addon.requestheaders(flow)
+        observe = flow.request.stream
+        assert callable(observe)
+        for piece in (body[:30], body[30:60], body[60:]):
+            assert observe(piece) == piece
+        addon.request(flow)
+    rec = records(path, "request_end")[0]
+    kept = bodies == "requests" and keep > len(body)
+    assert ("body" in rec) == kept and ("body_sha256" in rec) == (not kept)
+    read = next(e for e in read_events(path) if isinstance(e, ev.RequestEnd))
+    assert read.body_bytes == len(body) and read.body_kept == kept
+    assert read.body_sha256 == hashlib.sha256(body).hexdigest()
+    assert read.model == ("m" if keep > len(body) else None)  # never from a partial body
 
 
 def test_the_observers_are_let_go_when_the_exchange_ends(tmp_path: Path) -> None:

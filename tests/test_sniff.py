@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from tracer import events as ev
+from tracer.capture import event_from_record
 from tracer.sniff import Bodies, ConnectionObserver
 
 STREAMS = Path(__file__).parent / "data" / "streams"
@@ -85,6 +86,12 @@ def play(
     return events, obs
 
 
+def as_read(events: list[ev.Event]) -> list[ev.Event]:
+    """The events as a reader of the capture sees them (what the tap leaves to it done)."""
+    read = [event_from_record(e.to_record()) for e in events]
+    return [e for e in read if e is not None]
+
+
 def norm(events: list[ev.Event]) -> list[dict[str, Any]]:
     """Records, with consecutive body records of one request merged into one.
 
@@ -118,7 +125,8 @@ def decode(text: str, encoding: str | None) -> bytes:
 
 
 def of[E: ev.Event](events: list[ev.Event], cls: type[E]) -> list[E]:
-    return [e for e in events if isinstance(e, cls)]
+    """The events of ``cls``, as a reader of the capture sees them."""
+    return [e for e in as_read(events) if isinstance(e, cls)]
 
 
 def one[E: ev.Event](events: list[ev.Event], cls: type[E]) -> E:
@@ -352,10 +360,27 @@ def test_bodies_kept_per_option(bodies: Bodies) -> None:
         assert data == [None] * len(data)
 
 
-def test_body_over_keep_limit_is_hashed_not_kept() -> None:
+def test_a_kept_body_leaves_its_hash_and_fields_to_the_reader() -> None:
+    """What a reader derives from a kept body is what the tap measures when it keeps none."""
+    kept, _ = play(keepalive_steps(), bodies="requests")
+    measured, _ = play(keepalive_steps(), bodies="none")
+    recs = [e.to_record() for e in kept if isinstance(e, ev.RequestEnd)]
+    assert all("body_sha256" not in r and "model" not in r for r in recs if r["body_bytes"])
+    assert all("body_sha256" in r for r in recs if not r["body_bytes"])  # nothing kept
+    facts = ("body_sha256", "model", "stream", "max_tokens", "messages", "body_bytes")
+
+    def read(events: list[ev.Event]) -> list[tuple[Any, ...]]:
+        return [tuple(getattr(e, k) for k in facts) for e in of(events, ev.RequestEnd)]
+
+    assert read(kept) == read(measured)
+    assert read(kept)[0][1] == "Qwen/Qwen2.5-7B-Instruct"
+
+
+@pytest.mark.parametrize("split", ["whole", "bytes", "random:3"])
+def test_body_over_keep_limit_is_hashed_not_kept(split: str) -> None:
     raw = load("chat_stream.client.bin")
     body = request_body(raw)
-    events, _ = play([("c", 100.1, raw)], max_body_keep=100)
+    events, _ = play([("c", 100.1, raw)], split, max_body_keep=100)
     end = one(events, ev.RequestEnd)
     assert end.body is None and not end.body_kept
     assert end.body_bytes == len(body) and end.body_sha256 == hashlib.sha256(body).hexdigest()
@@ -604,7 +629,7 @@ def test_client_reset_mid_stream_is_client_abort() -> None:
     events, obs = play(steps)
     end = one(events, ev.ResponseEnd)
     assert end.termination == "client_abort" and end.close == "reset"
-    assert events[-1] is end  # the late bytes made no events
+    assert events[-1] == end  # the late bytes made no events
     assert end.events == 3 and end.duration == pytest.approx(0.8)
     assert not of(events, ev.Anomaly) and not obs.in_flight
     assert obs.upstream_bytes == sum(len(s[2]) for s in steps if s[0] == "u")

@@ -26,6 +26,7 @@ import orjson
 import structlog
 
 from . import events as ev
+from .bodies import derive_request_end
 
 log = structlog.get_logger("tracer.capture")
 
@@ -250,10 +251,18 @@ def _read_lines(fh: Any, stats: ReadStats, name: str) -> Iterator[dict[str, Any]
         yield record
 
 
+def event_from_record(record: dict[str, Any]) -> ev.Event | None:
+    """A record as a reader sees it (``ev.from_record``, with the hash and OpenAI fields
+    a version 2 tap leaves to the reader filled in from a kept request body)."""
+    if record.get("type") == "request_end":
+        derive_request_end(record)
+    return ev.from_record(record)
+
+
 def read_events(path: str | os.PathLike[str], stats: ReadStats | None = None) -> Iterator[ev.Event]:
     stats = stats if stats is not None else ReadStats()
     for record in read_records(path, stats):
-        event = ev.from_record(record)
+        event = event_from_record(record)
         if event is None:
             stats.unknown_types += 1
             continue

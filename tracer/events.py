@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-CAPTURE_VERSION = 1
+CAPTURE_VERSION = 2
 
 Direction = Literal["client", "upstream"]
 Termination = Literal[
@@ -232,7 +232,7 @@ class RequestEnd(Event):
     seq: int
     complete: bool
     body_bytes: int
-    body_sha256: str
+    body_sha256: str | None = None  # in the record only when the body is not (version 2)
     body: str | None = None
     body_encoding: Literal["utf-8", "base64"] | None = None
     body_kept: bool = False

@@ -43,6 +43,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from . import __version__
 from . import events as ev
+from .bodies import request_fields
 
 log = structlog.get_logger("tracer.otlp")
 
@@ -270,12 +271,13 @@ class OtlpSink:
         if req is None:
             return
         attrs: dict[str, Any] = {"http.request.body.size": end.body_bytes}
-        if end.model is not None:
-            attrs["gen_ai.request.model"] = end.model
-        if end.max_tokens is not None:
-            attrs["gen_ai.request.max_tokens"] = end.max_tokens
-        if end.stream is not None:
-            attrs["tracer.stream"] = end.stream
+        fields = request_fields(end)  # live: a kept body's fields are not in the event
+        if "model" in fields:
+            attrs["gen_ai.request.model"] = fields["model"]
+        if "max_tokens" in fields:
+            attrs["gen_ai.request.max_tokens"] = fields["max_tokens"]
+        if "stream" in fields:
+            attrs["tracer.stream"] = fields["stream"]
         if not end.complete:
             attrs["tracer.request_complete"] = False
         req.span.set_attributes(attrs)

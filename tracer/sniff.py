@@ -45,19 +45,17 @@ Rules:
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import functools
 import hashlib
-import json
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import h11
-import orjson
 
 from . import events as ev
+from .bodies import BodyEncoding, encode_body, openai_fields
 from .framing import BodyDecoder, FramingError, body_framing
 from .redact import redact_headers
 from .sse import SseEvent, SseSplitter
@@ -149,7 +147,7 @@ class _Request(ResponseState[SseSplitter]):
         self.mirror: list[tuple[bytes, bytes]] = [(b"host", b"t")]  # for the head parser
         self.may_switch = False  # Upgrade or CONNECT: a tunnel may follow the response
         self.body_bytes = 0
-        self.body_hash = hashlib.sha256()
+        self.body_hash: Any = None  # hashlib object once the body is too big to keep
         self.body_parts: list[bytes] | None = []
         self.body_too_big = False
         # response body reads not yet written as a record (see _add_read)
@@ -485,25 +483,30 @@ class ConnectionObserver:
         if req is None:
             return
         req.body_bytes += len(data)
-        req.body_hash.update(data)
-        if req.body_parts is not None:
-            if req.body_bytes > self._max_body_keep:
-                req.body_parts = None
-                req.body_too_big = True
-            else:
-                req.body_parts.append(data)
+        if req.body_parts is None:
+            req.body_hash.update(data)
+        elif req.body_bytes > self._max_body_keep:  # hashed from here on, not kept
+            req.body_hash = hashlib.sha256(b"".join(req.body_parts))
+            req.body_hash.update(data)
+            req.body_parts = None
+            req.body_too_big = True
+        else:
+            req.body_parts.append(data)
 
     def _end_request(self, req: _Request, m: float, *, complete: bool) -> None:
         req.request_done = True
         self._receiving = None
         body = b"".join(req.body_parts) if req.body_parts else b""
         fields: dict[str, Any] = {}
-        if body and req.content_type_json:
-            fields = openai_fields(body)
         kept: str | None = None
-        encoding: Literal["utf-8", "base64"] | None = None
+        encoding: BodyEncoding | None = None
+        digest: str | None = None
         if self._bodies != "none" and req.body_parts is not None and body:
-            kept, encoding = encode_body(body)
+            kept, encoding = encode_body(body)  # its hash and fields: the reader's work
+        else:
+            digest = (req.body_hash or hashlib.sha256(body)).hexdigest()
+            if body and req.content_type_json:
+                fields = openai_fields(body)
         self._emit(
             ev.RequestEnd(
                 t=m + self._wall,
@@ -513,7 +516,7 @@ class ConnectionObserver:
                 seq=req.seq,
                 complete=complete,
                 body_bytes=req.body_bytes,
-                body_sha256=req.body_hash.hexdigest(),
+                body_sha256=digest,
                 body=kept,
                 body_encoding=encoding,
                 body_kept=kept is not None or req.body_bytes == 0,
@@ -966,37 +969,3 @@ def end_stall(
     state.stall_start_m = None
     state.stall_direction = None
     return event
-
-
-def openai_fields(body: bytes) -> dict[str, Any]:
-    """model, stream, max_tokens and message count from an OpenAI-style JSON body."""
-    try:
-        obj = orjson.loads(body)  # several times faster; it refuses a little json takes
-    except ValueError:
-        try:
-            obj = json.loads(body)  # (NaN, integers beyond 64 bits, ...)
-        except (ValueError, RecursionError):
-            return {}
-    if not isinstance(obj, dict):
-        return {}
-    out: dict[str, Any] = {}
-    model = obj.get("model")
-    if isinstance(model, str):
-        out["model"] = model
-    stream = obj.get("stream")
-    if isinstance(stream, bool):
-        out["stream"] = stream
-    max_tokens = obj.get("max_tokens", obj.get("max_completion_tokens"))
-    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
-        out["max_tokens"] = max_tokens
-    messages = obj.get("messages")
-    if isinstance(messages, list):
-        out["messages"] = len(messages)
-    return out
-
-
-def encode_body(body: bytes) -> tuple[str, Literal["utf-8", "base64"]]:
-    try:
-        return body.decode("utf-8"), "utf-8"
-    except UnicodeDecodeError:
-        return base64.b64encode(body).decode("ascii"), "base64"

@@ -190,15 +190,17 @@ def build_playbook(
     skipped: list[str] = []
     for x in sorted(exchanges.values(), key=lambda x: x.head.m):
         source = f"{x.head.tap}/{x.head.conn}/{x.head.seq}"
-        if x.end is None:
-            skipped.append(f"{source}: the request body never ended, so it has no hash")
+        if x.end is None or x.end.body_sha256 is None:
+            why = "never ended" if x.end is None else "was kept undecodable"
+            skipped.append(f"{source}: the request body {why}, so it has no hash")
             continue
         try:
             captured = _captured_response(x, source)
         except _NotReplayable as exc:
             skipped.append(f"{source}: {exc}")
             continue
-        fp = Fingerprint(x.head.method.upper(), x.head.target, x.end.body_sha256, x.end.body_bytes)
+        digest = x.end.body_sha256
+        fp = Fingerprint(x.head.method.upper(), x.head.target, digest, x.end.body_bytes)
         playbook.setdefault(fp, []).append(captured)
     return playbook, skipped
 
