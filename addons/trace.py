@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import hashlib
 import importlib.util
 import logging
 import re
@@ -92,7 +91,7 @@ from mitmproxy.proxy import server_hooks
 
 from tracer import __version__
 from tracer import events as ev
-from tracer.bodies import BodyEncoding, encode_body, openai_fields
+from tracer.bodies import RequestBody, encode_body
 from tracer.capture import CaptureWriter
 from tracer.redact import redact_headers
 from tracer.sniff import (
@@ -303,10 +302,8 @@ class _Flow(ResponseState[SseObserver]):
         "flow_id",
         "json_body",
         "pieces",
-        "req_bytes",
+        "req_body",
         "req_chain",
-        "req_hash",
-        "req_parts",
         "resp_chain",
         "sizes",
         "streamed_request",
@@ -322,9 +319,7 @@ class _Flow(ResponseState[SseObserver]):
         self.streamed_request = False
         self.req_chain: StreamFn | bool = False  # what request.stream was before ours
         self.resp_chain: StreamFn | bool = False  # ... and response.stream
-        self.req_bytes = 0
-        self.req_hash: Any = None  # hashlib object: a streamed request body not kept
-        self.req_parts: list[bytes] | None = None
+        self.req_body: RequestBody | None = None  # a streamed request body as it arrives
         self.by_proxy = False
         # who ends the connection after this exchange (Connection: close, HTTP/1.0)
         self.closes: Literal["upstream", "tracer"] | None = None
@@ -666,11 +661,8 @@ class TraceAddon:
         )
         if req.stream:  # another addon streams the request: count it as it goes by
             st.streamed_request = True
-            # kept for the record (and hashed at the end if it goes in without the body);
-            # hashed as it goes by instead when not needed at all, or once too big to keep
-            st.req_parts = []
-            if not json_body and self.bodies == "none":
-                st.req_hash, st.req_parts = hashlib.sha256(), None
+            keep = json_body or self.bodies != "none"  # for the record, or for its fields
+            st.req_body = RequestBody(MAX_BODY_KEEP, keep=keep)
             st.req_chain = req.stream
             req.stream = self._request_observer(st, req.stream)
 
@@ -678,16 +670,8 @@ class TraceAddon:
         def observe(data: bytes) -> Iterable[bytes] | bytes:
             if data:
                 try:
-                    st.req_bytes += len(data)
-                    parts = st.req_parts
-                    if parts is None:
-                        st.req_hash.update(data)
-                    elif st.req_bytes > MAX_BODY_KEEP:  # hashed from here on, not kept
-                        st.req_hash = hashlib.sha256(b"".join(parts))
-                        st.req_hash.update(data)
-                        st.req_parts = None
-                    else:
-                        parts.append(data)
+                    if st.req_body is not None:
+                        st.req_body.add(data)
                     self._activity(st.conn, time.monotonic())
                 except Exception:
                     log.exception("tracer: observing a request body failed")
@@ -708,24 +692,14 @@ class TraceAddon:
 
     def _request_end(self, st: _Flow, content: bytes | None, m: float, *, complete: bool) -> None:
         st.request_done = True
-        body: bytes | None
-        if st.streamed_request:
-            body = b"".join(st.req_parts) if st.req_parts is not None else None
-            size = st.req_bytes
-        else:
-            body = content or b""
-            size = len(body)
-        st.conn.client_bytes += size
-        fields: dict[str, Any] = {}
-        kept: str | None = None
-        encoding: BodyEncoding | None = None
-        digest: str | None = None
-        if self.bodies != "none" and body and size <= MAX_BODY_KEEP:
-            kept, encoding = encode_body(body)  # its hash and fields: the reader's work
-        else:
-            digest = (st.req_hash or hashlib.sha256(body or b"")).hexdigest()
-            if body and st.json_body and size <= MAX_BODY_KEEP:
-                fields = openai_fields(body)
+        body = st.req_body
+        if body is None:  # buffered by mitmproxy: one piece
+            body = RequestBody(MAX_BODY_KEEP)
+            if content:
+                body.add(content)
+        st.req_body = None
+        st.conn.client_bytes += body.size
+        fields = body.record(keep=self.bodies != "none", json_body=st.json_body)
         self._emit(
             ev.RequestEnd(
                 t=m + self._wall,
@@ -734,15 +708,10 @@ class TraceAddon:
                 conn=st.conn.conn,
                 seq=st.seq,
                 complete=complete,
-                body_bytes=size,
-                body_sha256=digest,
-                body=kept,
-                body_encoding=encoding,
-                body_kept=kept is not None or size == 0,
+                body_bytes=body.size,
                 **fields,
             )
         )
-        st.req_parts = None
 
     # ---- responses --------------------------------------------------------------------
 

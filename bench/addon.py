@@ -199,7 +199,11 @@ def aggregate(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any
         base, hooks, traced = by_round[BASE], by_round[HOOKS], by_round[TRACED]
         paired = sorted(set(base) & set(traced))
         floor = sorted(set(base) & set(hooks))
-        agg[scen] = {"rate": rate}
+        agg[scen] = {
+            "rate": rate,
+            "cpu_ratio": _median([_ratio(traced[r][cpu], base[r][cpu]) for r in paired]),
+            "rounds": len(paired),
+        }
         for name, runs_of in by_round.items():
             agg[scen][name] = {
                 rate: _median([m[rate] for m in runs_of.values()]),
@@ -210,21 +214,15 @@ def aggregate(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any
                 for name, runs_of in by_round.items():
                     agg[scen][name][key] = _median([m[key] for m in runs_of.values()])
                 agg[scen][f"{key}_added"] = _median([traced[r][key] - base[r][key] for r in paired])
-            agg[scen] |= {
-                "cpu_ratio": _median([_ratio(traced[r][cpu], base[r][cpu]) for r in paired]),
-                "rounds": len(paired),
-            }
             continue
         pairs = (_ratio(traced[r][rate], base[r][rate]) for r in paired)
         ratios = [x for x in pairs if x is not None]
         agg[scen] |= {
             "throughput_ratio": _median(ratios),
             "throughput_ratio_range": [min(ratios), max(ratios)] if ratios else None,
-            "cpu_ratio": _median([_ratio(traced[r][cpu], base[r][cpu]) for r in paired]),
             "hooks_throughput_ratio": _median(
                 [_ratio(hooks[r][rate], base[r][rate]) for r in floor]
             ),
-            "rounds": len(paired),
         }
     return agg
 

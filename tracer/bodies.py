@@ -6,6 +6,7 @@ message count). Hashing and parsing a 64 KiB agent context cost a tap about 50 Â
 data path; a reader does it instead (``derive_request_end``), once, when the capture is
 read. A record without its body (not kept: ``--bodies none``, or over the size kept)
 carries the hash and the fields as measured by the tap, as version 1 did for every body.
+Both taps collect a request body with ``RequestBody``, which decides which of the two.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def encode_body(body: bytes) -> tuple[str, BodyEncoding]:
 def decode_body(text: str, encoding: str | None) -> bytes:
     """``encode_body`` undone (raises ``ValueError`` on bad base64)."""
     if encoding == "base64":
-        return base64.b64decode(text, validate=True)
+        return base64.b64decode(text)
     return text.encode("utf-8")
 
 
@@ -63,6 +64,50 @@ def openai_fields(body: bytes) -> dict[str, Any]:
     if isinstance(messages, list):
         out["messages"] = len(messages)
     return out
+
+
+class RequestBody:
+    """A request body as its pieces arrive, for its ``request_end`` record (both taps).
+
+    Its pieces are kept up to ``limit`` bytes; from the piece that passes it (or from the
+    start, with ``keep=False``) it is hashed as it goes by instead, the pieces before
+    included. ``record`` gives the body's fields once it has ended.
+    """
+
+    __slots__ = ("hash", "limit", "parts", "size")
+
+    def __init__(self, limit: int, *, keep: bool = True) -> None:
+        self.limit = limit
+        self.size = 0
+        self.parts: list[bytes] | None = [] if keep else None
+        self.hash: Any = None if keep else hashlib.sha256()
+
+    def add(self, data: bytes) -> None:
+        self.size += len(data)
+        parts = self.parts
+        if parts is None:
+            self.hash.update(data)
+        elif self.size > self.limit:  # hashed from here on, not kept
+            self.hash = hashlib.sha256(b"".join(parts))
+            self.hash.update(data)
+            self.parts = None
+        else:
+            parts.append(data)
+
+    def record(self, *, keep: bool, json_body: bool) -> dict[str, Any]:
+        """The ``request_end`` fields of the ended body, its pieces let go: the body itself
+        when kept (its hash and OpenAI fields are then the reader's work,
+        ``derive_request_end``), else its hash and, for JSON, its OpenAI fields."""
+        body = b"".join(self.parts) if self.parts is not None else None
+        self.parts = None
+        if keep and body:
+            text, encoding = encode_body(body)
+            return {"body": text, "body_encoding": encoding, "body_kept": True}
+        digest = (self.hash or hashlib.sha256(body or b"")).hexdigest()
+        out: dict[str, Any] = {"body_sha256": digest, "body_kept": self.size == 0}
+        if body and json_body:
+            out |= openai_fields(body)
+        return out
 
 
 def derived_facts(body: str, encoding: str | None) -> dict[str, Any]:

@@ -24,7 +24,6 @@ Outcomes (one word per request, the unit of the verdict):
 
 from __future__ import annotations
 
-import base64
 import bisect
 import dataclasses
 import fnmatch
@@ -42,6 +41,7 @@ from rich.table import Table
 
 from . import events as ev
 from .analysis import RequestRow, Summary
+from .bodies import decode_body
 from .capture import CaptureError, ReadStats, read_events
 
 SCHEMA = "tracer.replay/1"
@@ -245,7 +245,7 @@ def _body(req: CapturedRequest, end: ev.RequestEnd) -> None:
     if not end.body_kept or end.body is None:
         req.body, req.body_problem = None, "its body was not kept"
         return
-    raw = base64.b64decode(end.body) if end.body_encoding == "base64" else end.body.encode("utf-8")
+    raw = decode_body(end.body, end.body_encoding)
     if hashlib.sha256(raw).hexdigest() != end.body_sha256:
         req.body, req.body_problem = None, "its kept body does not match its sha256"
         return

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
@@ -55,7 +54,7 @@ from typing import Any, Literal
 import h11
 
 from . import events as ev
-from .bodies import BodyEncoding, encode_body, openai_fields
+from .bodies import RequestBody, encode_body
 from .framing import BodyDecoder, FramingError, body_framing
 from .redact import redact_headers
 from .sse import SseEvent, SseSplitter
@@ -130,26 +129,22 @@ class _Request(ResponseState[SseSplitter]):
         "batch_reads",
         "batch_size",
         "batch_sse",
-        "body_bytes",
-        "body_hash",
-        "body_parts",
-        "body_too_big",
+        "body",
         "content_type_json",
         "may_switch",
         "method",
         "mirror",
     )
 
-    def __init__(self, seq: int, head_m: float, method: str, json_body: bool) -> None:
+    def __init__(
+        self, seq: int, head_m: float, method: str, json_body: bool, body: RequestBody
+    ) -> None:
         super().__init__(seq, head_m)
         self.method = method
         self.content_type_json = json_body
         self.mirror: list[tuple[bytes, bytes]] = [(b"host", b"t")]  # for the head parser
         self.may_switch = False  # Upgrade or CONNECT: a tunnel may follow the response
-        self.body_bytes = 0
-        self.body_hash: Any = None  # hashlib object once the body is too big to keep
-        self.body_parts: list[bytes] | None = []
-        self.body_too_big = False
+        self.body = body
         # response body reads not yet written as a record (see _add_read)
         self.batch_m: float | None = None
         self.batch_reads: list[list[Any]] = []
@@ -344,7 +339,7 @@ class ConnectionObserver:
         req = self._pending[0] if self._pending else None
         if req is None:
             self.seq += 1
-            req = _Request(self.seq, m, "", False)
+            req = _Request(self.seq, m, "", False, RequestBody(self._max_body_keep))
             self._pending.append(req)
         req.status = status
         self._emit(
@@ -447,7 +442,9 @@ class ConnectionObserver:
             elif name in (b"connection", b"upgrade"):
                 upgrade.append((name, value))
         method = event.method.decode("latin-1")
-        req = _Request(self.seq, start_m, method, json_body)
+        keep = json_body or self._bodies != "none"  # for the record, or for its fields
+        body = RequestBody(self._max_body_keep, keep=keep)
+        req = _Request(self.seq, start_m, method, json_body, body)
         req.mirror += upgrade  # so that the head parser accepts a 101 to an Upgrade
         req.may_switch = method == "CONNECT" or any(n == b"upgrade" for n, _ in upgrade)
         self._pending.append(req)
@@ -482,31 +479,12 @@ class ConnectionObserver:
         req = self._receiving
         if req is None:
             return
-        req.body_bytes += len(data)
-        if req.body_parts is None:
-            req.body_hash.update(data)
-        elif req.body_bytes > self._max_body_keep:  # hashed from here on, not kept
-            req.body_hash = hashlib.sha256(b"".join(req.body_parts))
-            req.body_hash.update(data)
-            req.body_parts = None
-            req.body_too_big = True
-        else:
-            req.body_parts.append(data)
+        req.body.add(data)
 
     def _end_request(self, req: _Request, m: float, *, complete: bool) -> None:
         req.request_done = True
         self._receiving = None
-        body = b"".join(req.body_parts) if req.body_parts else b""
-        fields: dict[str, Any] = {}
-        kept: str | None = None
-        encoding: BodyEncoding | None = None
-        digest: str | None = None
-        if self._bodies != "none" and req.body_parts is not None and body:
-            kept, encoding = encode_body(body)  # its hash and fields: the reader's work
-        else:
-            digest = (req.body_hash or hashlib.sha256(body)).hexdigest()
-            if body and req.content_type_json:
-                fields = openai_fields(body)
+        body = req.body.record(keep=self._bodies != "none", json_body=req.content_type_json)
         self._emit(
             ev.RequestEnd(
                 t=m + self._wall,
@@ -515,15 +493,10 @@ class ConnectionObserver:
                 conn=self.conn,
                 seq=req.seq,
                 complete=complete,
-                body_bytes=req.body_bytes,
-                body_sha256=digest,
-                body=kept,
-                body_encoding=encoding,
-                body_kept=kept is not None or req.body_bytes == 0,
-                **fields,
+                body_bytes=req.body.size,
+                **body,
             )
         )
-        req.body_parts = None
 
     # ---- responses --------------------------------------------------------------------
 

@@ -7,7 +7,6 @@ token each; a capture's mix keeps each captured request's prompt and output leng
 
 from __future__ import annotations
 
-import base64
 import random
 import statistics
 from collections import Counter
@@ -18,6 +17,7 @@ from typing import Any
 import orjson
 
 from . import events as ev
+from .bodies import decode_body
 from .capture import CaptureError, read_events
 
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -187,7 +187,7 @@ def as_int(value: Any) -> int | None:
 def _captured_body(end: ev.RequestEnd | None) -> dict[str, Any] | None:
     if end is None or not end.body_kept or end.body is None:
         return None
-    raw = base64.b64decode(end.body) if end.body_encoding == "base64" else end.body.encode()
+    raw = decode_body(end.body, end.body_encoding)
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError:
