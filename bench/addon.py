@@ -1,7 +1,8 @@
 """``python -m bench.run --scenarios addon``: what ``addons/trace.py`` costs mitmdump.
 
-Three mitmdump processes run side by side on core 1, all started exactly like the bench's
-``mitmdump`` target (reverse mode, ``stream_large_bodies=1``, the streaming script); one
+Three mitmdump processes run side by side on core 1, started anew every round (the
+rounds are then independent pairs of processes, not one pair's luck repeated), all
+started exactly like the bench's ``mitmdump`` target (reverse mode, ``stream_large_bodies=1``, the streaming script); one
 also loads ``addons/trace.py`` writing a capture, one an addon with the same hooks doing
 nothing (the floor: what mitmproxy's hook dispatch and a stream callable cost any addon). Same upstream, same load
 generator and the same rig as ``bench.run`` (its ``_measure`` and ``_settle``);
@@ -38,6 +39,7 @@ SCENARIOS = ("stream-c16", "agent-c16", "plain-c16", "paced-c16")
 PACED_TIMES = ("ttfe_p50", "gap_p99")  # reported for paced-c16, traced minus base
 BASE, HOOKS, TRACED = "mitmdump", "mitmdump+hooks", "mitmdump+trace"
 MAX_OVERHEAD = 0.10
+CAPTURE = "addon-tap.jsonl"  # the traced mitmdump's, one round's (each round starts anew)
 
 # The floor: an addon with the trace addon's hooks, doing nothing (a pass-through stream
 # callable on every response). What is left above it is the addon's own work.
@@ -83,7 +85,7 @@ def _start(name: str, upstream_port: int, out: Path) -> peers.Target:
     port = free_port()
     argv = mitmdump_argv(upstream_port, port, out)
     if name == TRACED:
-        capture = out / "addon-tap.jsonl"
+        capture = out / CAPTURE
         capture.unlink(missing_ok=True)
         argv += ["-s", str(REPO / "addons" / "trace.py"), "--set", f"tracer_capture={capture}"]
     elif name == HOOKS:
@@ -112,45 +114,77 @@ async def _run(cfg: Config, procs: list[Proc]) -> dict[str, Any]:
     out = cfg.out
     upstream, upstream_port = start_upstream(out, procs)
     names = [BASE, HOOKS, TRACED]
-    targets = {name: _start(name, upstream_port, out) for name in names}
-    for t in targets.values():
-        assert t.proc is not None
-        procs.append(t.proc)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
         s: {name: [] for name in names} for s in SCENARIOS
     }
     profiles: dict[str, Any] = {}
+    captures: list[dict[str, Any]] = []
     for rnd in range(cfg.rounds):
+        # Fresh processes every round: two mitmdumps running the same code differ by a
+        # point or two for the whole of their lives (memory layout, hash seed), so the
+        # rounds of one set of processes would all share its luck.
+        targets = {name: _start(name, upstream_port, out) for name in names}
+        round_procs = [t.proc for t in targets.values() if t.proc is not None]
+        procs.extend(round_procs)
         order = names if rnd % 2 == 0 else names[::-1]
-        _say(f"-- addon round {rnd + 1}/{cfg.rounds}: {', '.join(order)}")
-        for scen in SCENARIOS:
-            for name in order:
-                target = targets[name]
-                others = [t.proc for n, t in targets.items() if n != name and t.proc is not None]
-                await _settle([upstream, *[t.proc for t in targets.values() if t.proc]])
-                spy = None
-                if cfg.profile and rnd == 0 and name != BASE and target.proc is not None:
-                    spy_out = out / f"profile-{name.replace('+', '-')}-{scen}.txt"
-                    spy = profile.start(target.proc.pid, spy_out, cfg.warmup + cfg.duration)
-                try:
-                    m = await _measure(scen, target, upstream, others, cfg)
-                except Exception as exc:
-                    m = {"failed": f"{type(exc).__name__}: {exc}"}
-                if spy is not None:
-                    profiles[f"{name} {scen}"] = await _profile_done(spy, spy_out, scen)
-                m["round"] = rnd + 1
-                _say(_line(scen, name, m))
-                if "failed" not in m:
-                    runs[scen][name].append(m)
-                if not target.alive():
-                    raise RuntimeError(
-                        f"{name} died:\n{target.proc.log_tail() if target.proc else ''}"
-                    )
-                await asyncio.sleep(0.1)
-    traced = targets[TRACED].proc
-    assert traced is not None
-    traced.stop()  # writes capture_end
-    return {"runs": runs, "capture": _capture_end(out / "addon-tap.jsonl"), "profiles": profiles}
+        _say(f"-- addon round {rnd + 1}/{cfg.rounds} (new processes): {', '.join(order)}")
+        try:
+            for scen in SCENARIOS:
+                for name in order:
+                    m = await _measure_one(cfg, scen, name, targets, upstream, rnd, profiles)
+                    if "failed" not in m:
+                        runs[scen][name].append(m)
+        finally:
+            for proc in round_procs:
+                proc.stop()  # the traced one writes capture_end
+                procs.remove(proc)
+        captures.append(_capture_end(out / CAPTURE))
+    return {"runs": runs, "capture": _captures_summary(captures), "profiles": profiles}
+
+
+async def _measure_one(
+    cfg: Config,
+    scen: str,
+    name: str,
+    targets: dict[str, peers.Target],
+    upstream: Proc,
+    rnd: int,
+    profiles: dict[str, Any],
+) -> dict[str, Any]:
+    """One target's run of one scenario in one round, printed as it ends."""
+    target = targets[name]
+    others = [t.proc for n, t in targets.items() if n != name and t.proc is not None]
+    await _settle([upstream, *[t.proc for t in targets.values() if t.proc]])
+    spy = None
+    if cfg.profile and rnd == 0 and name != BASE and target.proc is not None:
+        spy_out = cfg.out / f"profile-{name.replace('+', '-')}-{scen}.txt"
+        spy = profile.start(target.proc.pid, spy_out, cfg.warmup + cfg.duration)
+    try:
+        m = await _measure(scen, target, upstream, others, cfg)
+    except Exception as exc:
+        m = {"failed": f"{type(exc).__name__}: {exc}"}
+    if spy is not None:
+        profiles[f"{name} {scen}"] = await _profile_done(spy, spy_out, scen)
+    m["round"] = rnd + 1
+    _say(_line(scen, name, m))
+    if not target.alive():
+        raise RuntimeError(f"{name} died:\n{target.proc.log_tail() if target.proc else ''}")
+    await asyncio.sleep(0.1)
+    return m
+
+
+def _captures_summary(captures: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rounds' captures together: bytes, records and drops summed (each round's file
+    is replaced by the next; the last one stays on disk)."""
+    ends = [c.get("capture_end") or {} for c in captures]
+    return {
+        "path": captures[-1]["path"] if captures else None,
+        "rounds": len(captures),
+        "bytes": sum(c.get("bytes", 0) for c in captures),
+        "records": sum(e.get("records", 0) for e in ends),
+        "dropped": sum(e.get("dropped", 0) for e in ends),
+        "ended": sum(1 for e in ends if e),
+    }
 
 
 def _capture_end(path: Path) -> dict[str, Any]:
@@ -330,10 +364,11 @@ def main(cfg: Config) -> int:
     print()
     for line in found:
         print("  " + line)
-    end = result["capture"].get("capture_end") or {}
+    cap = result["capture"]
     print(
-        f"addon capture: {result['capture'].get('bytes', 0) / 1e6:.0f} MB, "
-        f"{end.get('records', '?')} records, dropped {end.get('dropped', '?')}"
+        f"addon captures: {cap['bytes'] / 1e6:.0f} MB over {cap['rounds']} round(s) "
+        f"({cap['ended']} with their capture_end), {cap['records']} records, "
+        f"dropped {cap['dropped']}"
     )
     print(f"Written {path}")
     return 0
