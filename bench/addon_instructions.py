@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from .addon import HOOKS_SCRIPT, mitmdump_argv
-from .loadgen import agent_body
+from .loadgen import Turns, agent_body
 from .procs import free_port, wait_port
 from .run import REPO
 
@@ -43,11 +43,12 @@ def _drive(
     """``requests`` streaming requests over ``conns`` keep-alive connections, one request on
     each at a time; how many completed."""
     socks = [socket.create_connection(("127.0.0.1", port), timeout=120) for _ in range(conns)]
+    turns = Turns(request)  # an agent's requests numbered, as bench.run's
     done = 0
     try:
         while done < requests and time.monotonic() < deadline:
             for s in socks:
-                s.sendall(request)
+                s.sendall(turns.next())
             for s in socks:
                 buf = b""
                 while not buf.endswith(b"0\r\n\r\n"):

@@ -37,16 +37,43 @@ AGENT_BODY_BYTES = 64 * 1024
 turns; 64 KiB is about 16k tokens), where the other modes send a one-line question."""
 
 
+TURN_MARK = b"turn 00000000"
+"""In the last message of ``agent_body``: the load generator writes its request count in
+the digits, so that no two requests are the same (as an agent's turns are not)."""
+
+
 def agent_body(size: int = AGENT_BODY_BYTES) -> bytes:
     """A streaming OpenAI chat request of about ``size`` bytes: a system prompt, then user
-    turns (tool output) and assistant turns in alternation, as an agent's context grows."""
+    turns (tool output) and assistant turns in alternation, as an agent's context grows,
+    and a last question marked with ``TURN_MARK``."""
     turn = ("Tool output: 12 files changed, 340 insertions(+), 51 deletions(-). " * 48)[:3000]
     messages = [{"role": "system", "content": "You are a coding agent."}]
     while len(messages) * 3040 < size:  # a turn is its 3000 characters and ~40 of JSON
         role = "assistant" if len(messages) % 2 == 0 else "user"
         messages.append({"role": role, "content": turn})
+    messages.append({"role": "user", "content": f"{TURN_MARK.decode()}: what next?"})
     doc = {"model": "bench", "messages": messages, "max_tokens": 64, "stream": True}
     return json.dumps(doc, separators=(",", ":")).encode()
+
+
+class Turns:
+    """The requests of a run: the same bytes every time, except an agent's (with
+    ``TURN_MARK``), which carry the count of requests sent so far in its digits."""
+
+    __slots__ = ("at", "request", "sent")
+
+    def __init__(self, request: bytes) -> None:
+        self.request = request
+        self.sent = 0
+        mark = request.rfind(TURN_MARK)
+        self.at = mark + len(TURN_MARK) - 8 if mark >= 0 else -1  # where the digits are
+
+    def next(self) -> bytes:
+        if self.at < 0:
+            return self.request
+        self.sent += 1
+        at, req = self.at, self.request
+        return b"%b%08d%b" % (req[:at], self.sent % 100_000_000, req[at + 8 :])
 
 
 def request_bytes(mode: str, port: int) -> bytes:
@@ -93,7 +120,7 @@ class _Gen:
     """Shared state of one run."""
 
     def __init__(self, request: bytes, port: int, expect_events: int) -> None:
-        self.request = request
+        self.turns = Turns(request)
         self.port = port
         self.expect_events = expect_events
         self.recording = False
@@ -202,7 +229,7 @@ class _Conn(asyncio.Protocol):
         self.gaps = []
         self.t_start = perf()
         assert self.tr is not None
-        self.tr.write(self.gen.request)
+        self.tr.write(self.gen.turns.next())
 
     def _events(self, piece: bytes | bytearray, now: float) -> None:
         n = piece.count(b"\n\n")
@@ -426,7 +453,7 @@ class IdleConns:
 
     async def open(self, port: int, n: int, batch: int = 50) -> int:
         gen = self.gen
-        gen.request = request_bytes("plain", port)
+        gen.turns = Turns(request_bytes("plain", port))
         gen.port = port
         gen.running = False  # one request each, no reconnects
         loop = asyncio.get_running_loop()

@@ -266,7 +266,8 @@ def test_cli_analyze_spills_and_matches_the_in_memory_result(tmp_path: Path) -> 
     summary = fed(3_000, **IN_MEMORY)
     result: dict[str, Any] = summary.result(
         captures=[{"path": path.name, "records": summary.events, "bad_lines": 0,
-                   "torn_tail": False, "version": ev.CAPTURE_VERSION}],
+                   "torn_tail": False, "bodies_unresolved": 0,
+                   "version": ev.CAPTURE_VERSION}],
         raw_rows=True,
     )  # fmt: skip
     render.write_json(result, expected)

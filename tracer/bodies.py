@@ -7,6 +7,12 @@ data path; a reader does it instead (``derive_request_end``), once, when the cap
 read. A record without its body (not kept: ``--bodies none``, or over the size kept)
 carries the hash and the fields as measured by the tap, as version 1 did for every body.
 Both taps collect a request body with ``RequestBody``, which decides which of the two.
+
+An agent sends its whole context with every turn, so each kept body mostly repeats one
+kept a moment before. From version 3 the capture writer writes such a body as a
+reference to that earlier ``request_end`` and what follows the prefix the two share
+(``BodySharing``: ``body_base`` = ``[conn, seq, chars]``); the reader puts it back
+together (``BodyResolver``) before anything else sees the record.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+from collections import OrderedDict, deque
 from typing import Any, Literal
 
 import orjson
@@ -22,6 +29,16 @@ from . import events as ev
 
 BodyEncoding = Literal["utf-8", "base64"]
 OPENAI_FIELDS = ("model", "stream", "max_tokens", "messages")
+
+SHARE_MIN_CHARS = 4096
+"""A shared prefix shorter than this is written out (a reference would save little)."""
+SHARE_CANDIDATES = 8
+"""The writer looks for a shared prefix among the last this many bodies it queued."""
+SHARE_MAX_CHAIN = 8
+"""References chain at most this far back: a lost record loses the bodies whose chain
+passes through it, never a whole conversation."""
+RESOLVE_KEEP = 2 * SHARE_CANDIDATES
+"""The reader keeps this many bodies for references (more than the writer can name)."""
 
 
 def encode_body(body: bytes) -> tuple[str, BodyEncoding]:
@@ -136,3 +153,127 @@ def request_fields(end: ev.RequestEnd) -> dict[str, Any]:
         return {k: v for k in OPENAI_FIELDS if (v := getattr(end, k)) is not None}
     facts = derived_facts(end.body, end.body_encoding)
     return {k: facts[k] for k in OPENAI_FIELDS if k in facts}
+
+
+def common_prefix(a: str, b: str) -> int:
+    """How many leading characters ``a`` and ``b`` share. Blocks of doubling size are
+    compared while they match, then the first that does not is halved down to the
+    character: each comparison is one ``startswith`` (memcmp), about the shared length
+    in all, not a Python loop over characters."""
+    n = min(len(a), len(b))
+    lo, step = 0, SHARE_MIN_CHARS
+    while lo < n:  # a[:lo] == b[:lo]
+        hi = min(n, lo + step)
+        if not a.startswith(b[lo:hi], lo):
+            break
+        lo, step = hi, step * 2
+    else:
+        return n
+    while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a.startswith(b[lo:mid], lo):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+_Kept = tuple[Any, int, int, str, Any, int]  # tap, conn, seq, text, encoding, chain length
+
+
+class BodySharing:
+    """The capture writer's side of shared body prefixes.
+
+    ``share`` rewrites a ``request_end`` record that keeps a body of at least
+    ``SHARE_MIN_CHARS``: when it shares that many leading characters with one of the last
+    ``SHARE_CANDIDATES`` bodies of the same tap and encoding (the same connection's first,
+    then the most recent), its ``body`` becomes the rest and ``body_base`` names the
+    earlier record and the shared length. A body whose best base ends a chain of
+    ``SHARE_MAX_CHAIN`` references is written whole instead, and starts a new chain. It returns the body in full, for ``remember``
+    once the record is queued: a body the writer dropped is never named as a base.
+    """
+
+    __slots__ = ("_recent",)
+
+    def __init__(self) -> None:
+        self._recent: deque[_Kept] = deque(maxlen=SHARE_CANDIDATES)
+
+    def share(self, record: dict[str, Any]) -> _Kept | None:
+        text = record.get("body")
+        if not isinstance(text, str) or len(text) < SHARE_MIN_CHARS:
+            return None
+        tap, conn, seq, enc = (
+            record.get("tap"),
+            record["conn"],
+            record["seq"],
+            record.get("body_encoding"),
+        )
+        mine = [k for k in self._recent if k[0] == tap and k[4] == enc]
+        mine.sort(key=lambda k: k[1] == conn)  # stable: the same connection's last
+        best, best_len = None, 0
+        for kept in reversed(mine):
+            shared = common_prefix(text, kept[3])
+            if shared > best_len:
+                best, best_len = kept, shared
+            if shared >= len(text) - (len(text) >> 3):  # most of it: good enough
+                break
+        if best is not None and best_len >= SHARE_MIN_CHARS and best[5] < SHARE_MAX_CHAIN:
+            record["body"] = text[best_len:]
+            record["body_base"] = [best[1], best[2], best_len]
+            return (tap, conn, seq, text, enc, best[5] + 1)
+        return (tap, conn, seq, text, enc, 0)
+
+    def remember(self, kept: _Kept) -> None:
+        self._recent.append(kept)
+
+    def forget(self) -> None:
+        """After a failed write: the bodies remembered may not be on disk."""
+        self._recent.clear()
+
+
+class BodyResolver:
+    """The reader's side: a ``request_end`` with a ``body_base`` gets its body back.
+
+    Keeps the last ``RESOLVE_KEEP`` kept bodies of a capture by (tap, conn, seq). A
+    record whose base is not among them (its record was lost: a failed write, a torn
+    line) loses its body, counted in ``unresolved``; everything else in it stays.
+    """
+
+    __slots__ = ("_bodies", "unresolved")
+
+    def __init__(self) -> None:
+        self._bodies: OrderedDict[tuple[Any, Any, Any], tuple[str, Any]] = OrderedDict()
+        self.unresolved = 0
+
+    def reset(self) -> None:
+        """A new ``capture_start`` (a capture appended to): its records name only its own."""
+        self._bodies.clear()
+
+    def resolve(self, record: dict[str, Any]) -> None:
+        text = record.get("body")
+        if not isinstance(text, str):
+            return
+        tap, enc = record.get("tap"), record.get("body_encoding")
+        base = record.pop("body_base", None)
+        if base is not None:
+            found = None
+            if isinstance(base, list) and len(base) == 3:
+                found = self._bodies.get((tap, base[0], base[1]))
+            shared = base[2] if found is not None else None
+            if (
+                found is None
+                or found[1] != enc
+                or not isinstance(shared, int)
+                or not 0 < shared <= len(found[0])
+            ):
+                self.unresolved += 1
+                record["body"] = record["body_encoding"] = None
+                record["body_kept"] = False
+                return
+            text = found[0][:shared] + text
+            record["body"] = text
+        if len(text) >= SHARE_MIN_CHARS:
+            bodies = self._bodies
+            bodies[(tap, record.get("conn"), record.get("seq"))] = (text, enc)
+            if len(bodies) > RESOLVE_KEEP:
+                bodies.popitem(last=False)

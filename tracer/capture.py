@@ -26,7 +26,7 @@ import orjson
 import structlog
 
 from . import events as ev
-from .bodies import derive_request_end
+from .bodies import BodyResolver, BodySharing, derive_request_end
 
 log = structlog.get_logger("tracer.capture")
 
@@ -67,16 +67,32 @@ class CaptureWriter:
         self._torn = False
         self._last_error: str | None = None
         self._tap = ""
+        self._sharing = BodySharing()
+        self._share_lock = threading.Lock()
+        self._shared_unsure = False  # a write failed: remembered bodies may not be on disk
         self._thread = threading.Thread(target=self._run, name="capture-writer", daemon=True)
         self._thread.start()
 
     # ---- producer side ------------------------------------------------------------
 
-    def write(self, event: ev.Event, *, force: bool = False) -> None:
+    def write(self, event: ev.Event, *, force: bool = False) -> bool:
+        """Queue one event's record (False: dropped). A kept request body that repeats most
+        of one queued before is written as a reference and the rest (``BodySharing``)."""
         self._tap = event.tap
-        self.write_record(event.to_record(), force=force)
+        record = event.to_record()
+        if type(event) is not ev.RequestEnd or event.body is None:
+            return self.write_record(record, force=force)
+        with self._share_lock:  # bodies are named as bases in the order they are queued
+            if self._shared_unsure:
+                self._shared_unsure = False
+                self._sharing.forget()
+            kept = self._sharing.share(record)
+            queued = self.write_record(record, force=force)
+            if queued and kept is not None:
+                self._sharing.remember(kept)
+        return queued
 
-    def write_record(self, record: dict[str, Any], *, force: bool = False) -> None:
+    def write_record(self, record: dict[str, Any], *, force: bool = False) -> bool:
         """Queue one record; drop and count it when the bound is reached (unless forced)."""
         try:
             line = encode_line(record)
@@ -88,12 +104,13 @@ class CaptureWriter:
             if (len(batch) + size > self._max_pending and not force) or self._stop:
                 self.dropped += 1
                 self.dropped_bytes += size
-                return
+                return False
             batch += line
             self._batch_records += 1
             first = self._batch_records == 1
         if first:
             self._wake.set()
+        return True
 
     @property
     def pending_bytes(self) -> int:
@@ -128,7 +145,9 @@ class CaptureWriter:
                 dropped_bytes=self.dropped_bytes,
                 reason=self._last_error or "writer too slow",
             )
-            batch[:0] = encode_line(loss.to_record())
+            # ahead of the batch, but never ahead of the capture_start header
+            at = batch.find(b"\n") + 1 if self.written == 0 else 0
+            batch[at:at] = encode_line(loss.to_record())
         if self._torn:
             batch[:0] = b"\n"  # end the torn fragment so the next record parses
         view = memoryview(batch)
@@ -137,6 +156,7 @@ class CaptureWriter:
                 n = os.write(self._fd, view)
                 view = view[n:]
         except OSError as exc:
+            self._shared_unsure = True
             self._torn = len(view) != len(batch)
             # Records wholly unwritten are lost; a partly written one is torn.
             lost_lines = view.tobytes().count(b"\n")
@@ -186,6 +206,7 @@ class ReadStats:
     unknown_types: int = 0
     version: int | None = None
     torn_tail: bool = False
+    bodies_unresolved: int = 0  # kept bodies lost with the record their prefix was in
     headers: list[dict[str, Any]] = field(default_factory=list)
 
     def describe(self, path: str) -> dict[str, Any]:
@@ -195,6 +216,7 @@ class ReadStats:
             "records": self.records,
             "bad_lines": self.bad_lines,
             "torn_tail": self.torn_tail,
+            "bodies_unresolved": self.bodies_unresolved,
             "version": self.version,
         }
 
@@ -251,18 +273,28 @@ def _read_lines(fh: Any, stats: ReadStats, name: str) -> Iterator[dict[str, Any]
         yield record
 
 
-def event_from_record(record: dict[str, Any]) -> ev.Event | None:
-    """A record as a reader sees it (``ev.from_record``, with the hash and OpenAI fields
-    a version 2 tap leaves to the reader filled in from a kept request body)."""
-    if record.get("type") == "request_end":
+def event_from_record(
+    record: dict[str, Any], bodies: BodyResolver | None = None
+) -> ev.Event | None:
+    """A record as a reader sees it (``ev.from_record``): a kept request body put back
+    together from its shared prefix (version 3, with the capture's ``bodies``), and the
+    hash and OpenAI fields a version 2 tap leaves to the reader filled in from it."""
+    kind = record.get("type")
+    if kind == "request_end":
+        if bodies is not None:
+            bodies.resolve(record)
         derive_request_end(record)
+    elif kind == "capture_start" and bodies is not None:
+        bodies.reset()
     return ev.from_record(record)
 
 
 def read_events(path: str | os.PathLike[str], stats: ReadStats | None = None) -> Iterator[ev.Event]:
     stats = stats if stats is not None else ReadStats()
+    bodies = BodyResolver()
     for record in read_records(path, stats):
-        event = event_from_record(record)
+        event = event_from_record(record, bodies)
+        stats.bodies_unresolved = bodies.unresolved
         if event is None:
             stats.unknown_types += 1
             continue

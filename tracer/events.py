@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-CAPTURE_VERSION = 2
+CAPTURE_VERSION = 3
 
 Direction = Literal["client", "upstream"]
 Termination = Literal[
