@@ -431,6 +431,29 @@ def test_a_streamed_request_body_is_kept_or_hashed(
     assert read.model == ("m" if keep > len(body) else None)  # never from a partial body
 
 
+def test_an_agents_next_turn_is_written_as_its_shared_prefix_and_the_rest(
+    tmp_path: Path,
+) -> None:
+    """Two turns of one conversation on one connection: the second record names the first
+    and carries only its new tail (capture version 3); a reader gets both bodies whole."""
+    history = b'{"model":"m","stream":true,"messages":[' + b'{"role":"user","content":"x"},' * 400
+    turns = [history + b'{"role":"user","content":"turn %d"}]}' % k for k in (1, 2)]
+    with addon_ctx(tmp_path) as (addon, path):
+        client = None
+        for body in turns:
+            flow = a_flow(client)
+            client = flow.client_conn
+            flow.request.content = body
+            start(addon, flow)
+    recs = records(path, "request_end")
+    shared = len(history) + len(b'{"role":"user","content":"turn ')
+    assert "body_base" not in recs[0] and recs[1]["body_base"] == [1, 1, shared]
+    assert len(recs[1]["body"]) < 20
+    read = [e for e in read_events(path) if isinstance(e, ev.RequestEnd)]
+    assert [e.body.encode() if e.body else b"" for e in read] == turns
+    assert [e.messages for e in read] == [401, 401]
+
+
 def test_the_observers_are_let_go_when_the_exchange_ends(tmp_path: Path) -> None:
     """The flow gets back the stream attributes it had, and keeps nothing of the addon's."""
 
