@@ -272,3 +272,19 @@ def test_cli_analyze_spills_and_matches_the_in_memory_result(tmp_path: Path) -> 
     )  # fmt: skip
     render.write_json(result, expected)
     assert done.stdout.decode() == expected.getvalue()
+
+
+def test_cli_analyze_stops_quietly_when_its_reader_goes_away(tmp_path: Path) -> None:
+    """`tracer analyze … | head`: a closed pipe ends it with 141 (SIGPIPE), no traceback."""
+    path = tmp_path / "big.jsonl"
+    write_all(path, list(capture(3_000)))  # far more JSON than a pipe holds
+    with subprocess.Popen(
+        [sys.executable, "-m", "tracer", "analyze", str(path), "--format", "json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.read(100).startswith(b"{")
+        proc.stdout.close()
+        err = proc.stderr.read()
+        assert proc.wait(timeout=60) == 141 and b"Traceback" not in err

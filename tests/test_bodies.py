@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -228,3 +230,30 @@ def test_an_appended_capture_names_only_its_own_bodies(tmp_path: Path) -> None:
     ends, stats = _bodies_read(path)
     assert [decode_body(e.body or "", e.body_encoding) for e in ends[:2]] == first
     assert ends[2].body is None and stats.bodies_unresolved == 1  # not first[0]'s text
+
+
+def test_analyze_json_counts_lost_bodies_and_takes_a_capture_without_requests(
+    tmp_path: Path,
+) -> None:
+    """The lost body shows in `tracer analyze --format json`; and a capture with no request
+    at all (a tap that saw no traffic) gives empty tables, not a crash."""
+    path = tmp_path / "c.jsonl"
+    writer = _capture(path)
+    turns = _turns(2, start="z")
+    for seq, raw in enumerate(turns, 1):
+        writer.write(_request_end(1, seq, raw))
+    writer.close()
+    lines = path.read_bytes().splitlines(keepends=True)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(lines[0])
+    path.write_bytes(lines[0] + lines[2])  # the second turn without the first
+    for capture, lost in ((path, 1), (empty, 0)):
+        done = subprocess.run(
+            [sys.executable, "-m", "tracer", "analyze", str(capture), "--format", "json"],
+            capture_output=True,
+            check=True,
+            timeout=60,
+        )
+        result = json.loads(done.stdout)
+        assert result["captures"][0]["bodies_unresolved"] == lost
+        assert result["requests"] == [] and result["connections"] == []

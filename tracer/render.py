@@ -30,12 +30,12 @@ def write_json(result: dict[str, Any], out: TextIO) -> None:
     for i, key in enumerate(keys):
         value = result[key]
         out.write(f"  {json.dumps(key)}: ")
-        if key in ("requests", "connections") and value:
-            out.write("[\n")
+        if key in ("requests", "connections"):  # rows, streamed (``Rows``: not for json)
             count = len(value)
+            out.write("[\n" if count else "[]")
             for j, row in enumerate(value, 1):
                 out.write(_row_json(row) + (",\n" if j < count else "\n"))
-            out.write("  ]")
+            out.write("  ]" if count else "")
         else:
             text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
             out.write(text.replace("\n", "\n  "))

@@ -174,6 +174,7 @@ def _feed(summary: Summary, path: str) -> dict[str, Any]:
         "records": stats.records,
         "bad_lines": stats.bad_lines,
         "torn_tail": stats.torn_tail,
+        "bodies_unresolved": stats.bodies_unresolved,
         "version": stats.version,
         "taps": [h.get("tap") for h in stats.headers],
         "headers": stats.headers,
@@ -865,7 +866,17 @@ def _provenance_md(doc: dict[str, Any]) -> list[str]:
     p = doc["provenance"]
     out = ["## Provenance", ""]
     out += _table(
-        ["capture", "taps", "sha256", "bytes", "records", "bad lines", "torn tail", "format"],
+        [
+            "capture",
+            "taps",
+            "sha256",
+            "bytes",
+            "records",
+            "bad lines",
+            "torn tail",
+            "bodies lost",
+            "format",
+        ],
         [
             [
                 f"`{c['path']}`",
@@ -875,6 +886,7 @@ def _provenance_md(doc: dict[str, Any]) -> list[str]:
                 c["records"],
                 c["bad_lines"],
                 "yes" if c["torn_tail"] else "no",
+                c.get("bodies_unresolved", 0),
                 c["version"],
             ]
             for c in p["captures"]
