@@ -21,7 +21,7 @@ import base64
 import hashlib
 import json
 from collections import OrderedDict, deque
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import orjson
 
@@ -178,7 +178,15 @@ def common_prefix(a: str, b: str) -> int:
     return lo
 
 
-_Kept = tuple[Any, int, int, str, Any, int]  # tap, conn, seq, text, encoding, chain length
+class KeptBody(NamedTuple):
+    """A body the writer queued, as a base for later ones."""
+
+    tap: Any
+    conn: int
+    seq: int
+    text: str
+    encoding: Any
+    chain: int  # references from it back to a body written whole
 
 
 class BodySharing:
@@ -196,9 +204,9 @@ class BodySharing:
     __slots__ = ("_recent",)
 
     def __init__(self) -> None:
-        self._recent: deque[_Kept] = deque(maxlen=SHARE_CANDIDATES)
+        self._recent: deque[KeptBody] = deque(maxlen=SHARE_CANDIDATES)
 
-    def share(self, record: dict[str, Any]) -> _Kept | None:
+    def share(self, record: dict[str, Any]) -> KeptBody | None:
         text = record.get("body")
         if not isinstance(text, str) or len(text) < SHARE_MIN_CHARS:
             return None
@@ -208,22 +216,22 @@ class BodySharing:
             record["seq"],
             record.get("body_encoding"),
         )
-        mine = [k for k in self._recent if k[0] == tap and k[4] == enc]
-        mine.sort(key=lambda k: k[1] == conn)  # stable: the same connection's last
+        mine = [k for k in self._recent if k.tap == tap and k.encoding == enc]
+        mine.sort(key=lambda k: k.conn == conn)  # stable: the same connection's last
         best, best_len = None, 0
         for kept in reversed(mine):
-            shared = common_prefix(text, kept[3])
+            shared = common_prefix(text, kept.text)
             if shared > best_len:
                 best, best_len = kept, shared
             if shared >= len(text) - (len(text) >> 3):  # most of it: good enough
                 break
-        if best is not None and best_len >= SHARE_MIN_CHARS and best[5] < SHARE_MAX_CHAIN:
+        if best is not None and best_len >= SHARE_MIN_CHARS and best.chain < SHARE_MAX_CHAIN:
             record["body"] = text[best_len:]
-            record["body_base"] = [best[1], best[2], best_len]
-            return (tap, conn, seq, text, enc, best[5] + 1)
-        return (tap, conn, seq, text, enc, 0)
+            record["body_base"] = [best.conn, best.seq, best_len]
+            return KeptBody(tap, conn, seq, text, enc, best.chain + 1)
+        return KeptBody(tap, conn, seq, text, enc, 0)
 
-    def remember(self, kept: _Kept) -> None:
+    def remember(self, kept: KeptBody) -> None:
         self._recent.append(kept)
 
     def forget(self) -> None:
@@ -256,21 +264,14 @@ class BodyResolver:
         tap, enc = record.get("tap"), record.get("body_encoding")
         base = record.pop("body_base", None)
         if base is not None:
-            found = None
-            if isinstance(base, list) and len(base) == 3:
-                found = self._bodies.get((tap, base[0], base[1]))
-            shared = base[2] if found is not None else None
-            if (
-                found is None
-                or found[1] != enc
-                or not isinstance(shared, int)
-                or not 0 < shared <= len(found[0])
-            ):
-                self.unresolved += 1
+            conn, seq, shared = base if isinstance(base, list) and len(base) == 3 else (0, 0, 0)
+            base_text, base_enc = self._bodies.get((tap, conn, seq), ("", None))
+            if base_enc != enc or not isinstance(shared, int) or not 0 < shared <= len(base_text):
+                self.unresolved += 1  # its base is not here: lost, or not a base
                 record["body"] = record["body_encoding"] = None
                 record["body_kept"] = False
                 return
-            text = found[0][:shared] + text
+            text = base_text[:shared] + text
             record["body"] = text
         if len(text) >= SHARE_MIN_CHARS:
             bodies = self._bodies
