@@ -152,13 +152,12 @@ def test_a_conversation_is_written_once_and_read_back_whole(tmp_path: Path) -> N
 
 def test_a_dropped_body_is_never_named_as_a_base(tmp_path: Path) -> None:
     path = tmp_path / "c.jsonl"
-    # one batch for all (the writer flushes 2 s after the first record; the writes take µs)
-    writer = _capture(path, max_pending_bytes=12_000, flush_interval=2.0)
+    writer = _capture(path, max_pending_bytes=12_000, flush_interval=3600.0)  # one batch
     a, b = _turns(1, start="a")[0], _turns(3, start="b")[1:]  # 4.6, 9.3 and 14 kB
     assert writer.write(_request_end(1, 1, a))
     assert not writer.write(_request_end(2, 1, b[0]))  # the batch is full: dropped
     writer.write(_request_end(2, 2, b[1]))  # whole (dropped too), not 4.6 kB naming b[0]
-    writer.close(timeout=10)
+    writer.close()  # flushes at once
     ends, stats = _bodies_read(path)
     assert stats.bodies_unresolved == 0 and ends[0].body is not None
     assert all(e.body is not None for e in ends)

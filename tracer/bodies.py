@@ -197,8 +197,9 @@ class BodySharing:
     ``SHARE_CANDIDATES`` bodies of the same tap and encoding (the same connection's first,
     then the most recent), its ``body`` becomes the rest and ``body_base`` names the
     earlier record and the shared length. A body whose best base ends a chain of
-    ``SHARE_MAX_CHAIN`` references is written whole instead, and starts a new chain. It returns the body in full, for ``remember``
-    once the record is queued: a body the writer dropped is never named as a base.
+    ``SHARE_MAX_CHAIN`` references is written whole instead, and starts a new chain. It
+    returns the body in full, for ``remember`` once the record is queued: a body the
+    writer dropped is never named as a base.
     """
 
     __slots__ = ("_recent",)
@@ -210,12 +211,8 @@ class BodySharing:
         text = record.get("body")
         if not isinstance(text, str) or len(text) < SHARE_MIN_CHARS:
             return None
-        tap, conn, seq, enc = (
-            record.get("tap"),
-            record["conn"],
-            record["seq"],
-            record.get("body_encoding"),
-        )
+        tap, enc = record.get("tap"), record.get("body_encoding")
+        conn, seq = record["conn"], record["seq"]
         mine = [k for k in self._recent if k.tap == tap and k.encoding == enc]
         mine.sort(key=lambda k: k.conn == conn)  # stable: the same connection's last
         best, best_len = None, 0

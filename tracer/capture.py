@@ -59,6 +59,7 @@ class CaptureWriter:
         self._batch = bytearray()
         self._batch_records = 0
         self._wake = threading.Event()
+        self._closing = threading.Event()  # ends the wait for a batch to build up
         self._stop = False
         self.written = 0
         self.dropped = 0
@@ -122,7 +123,7 @@ class CaptureWriter:
         while True:
             self._wake.wait()
             if not self._stop:
-                time.sleep(self._interval)  # let a batch build up: fewer, larger writes
+                self._closing.wait(self._interval)  # a batch builds up: fewer, larger writes
             self._wake.clear()
             with self._lock:
                 batch, records = self._batch, self._batch_records
@@ -177,6 +178,7 @@ class CaptureWriter:
         """Flush what is pending and close; never waits longer than ``timeout``."""
         with self._lock:
             self._stop = True
+        self._closing.set()
         self._wake.set()
         self._thread.join(timeout)
         with contextlib.suppress(OSError):

@@ -32,10 +32,13 @@ def write_json(result: dict[str, Any], out: TextIO) -> None:
         out.write(f"  {json.dumps(key)}: ")
         if key in ("requests", "connections"):  # rows, streamed (``Rows``: not for json)
             count = len(value)
-            out.write("[\n" if count else "[]")
-            for j, row in enumerate(value, 1):
-                out.write(_row_json(row) + (",\n" if j < count else "\n"))
-            out.write("  ]" if count else "")
+            if not count:
+                out.write("[]")
+            else:
+                out.write("[\n")
+                for j, row in enumerate(value, 1):
+                    out.write(_row_json(row) + (",\n" if j < count else "\n"))
+                out.write("  ]")
         else:
             text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
             out.write(text.replace("\n", "\n  "))

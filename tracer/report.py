@@ -167,15 +167,10 @@ def _feed(summary: Summary, path: str) -> dict[str, Any]:
     if stats.records == 0:
         raise CaptureError(f"{path}: empty, not a tracer capture")
     return {
-        "path": path,
+        **stats.describe(path),
         "name": Path(path).name,
         "sha256": digest,
         "bytes": size,
-        "records": stats.records,
-        "bad_lines": stats.bad_lines,
-        "torn_tail": stats.torn_tail,
-        "bodies_unresolved": stats.bodies_unresolved,
-        "version": stats.version,
         "taps": [h.get("tap") for h in stats.headers],
         "headers": stats.headers,
     }
@@ -886,7 +881,7 @@ def _provenance_md(doc: dict[str, Any]) -> list[str]:
                 c["records"],
                 c["bad_lines"],
                 "yes" if c["torn_tail"] else "no",
-                c.get("bodies_unresolved", 0),
+                c["bodies_unresolved"],
                 c["version"],
             ]
             for c in p["captures"]
