@@ -50,7 +50,9 @@ Rules:
    (complete), its ``error`` text and which side's socket stopped reading (client abort
    or truncated), a kill (in flight), a parse failure (unparsed, with an ``anomaly``),
    an answer made by mitmproxy itself (``tracer_response``: its 502 when the upstream
-   cannot be reached, or a response an addon set).
+   cannot be reached, or a response an addon set). On HTTP/2 from the client
+   (``_Conn.multiplexed``) a stream's end is that stream's alone, and each stream in
+   flight is watched for stalls by its own last sign of life.
 4. What mitmproxy does not show is not invented: chunk boundaries (``chunks`` is 0),
    FIN versus reset (``close`` is absent; ``conn_close.how`` is ``unknown``), half-close.
    See ``addons/README.md``.
@@ -119,6 +121,10 @@ StallDirection = Literal["upstream_silent", "client_not_reading", "client_silent
 # mitmproxy's words for the ends it reports only as text (mitmproxy/proxy/layers/http)
 _CLIENT_GONE = ("Client disconnected", "Client closed connection")
 _UPSTREAM_CUT = ("peer closed connection", "server closed connection")
+# ... and its HTTP/2 layer's, for one stream or the whole connection (mitmproxy's
+# proxy/layers/http/_http2.py: the same words whichever peer it speaks HTTP/2 with)
+_H2_RESET = "stream reset by client"
+_H2_ENDS = (_H2_RESET, "HTTP/2 connection closed", "HTTP/2 protocol error")
 _UNPARSED = ("HTTP/1 protocol error", "Cannot parse HTTP", "unexpected server response")
 
 
@@ -133,6 +139,7 @@ class _Conn:
         "in_flight_at_cause",
         "last_activity_m",
         "last_end_m",
+        "multiplexed",
         "opened_m",
         "pending",
         "seq",
@@ -152,6 +159,9 @@ class _Conn:
         self.client_bytes = 0  # message bytes (heads + bodies) as mitmproxy assembled them
         self.upstream_bytes = 0
         self.upstream_opened = False
+        # HTTP/2 (or 3) from the client: requests run at once, each as its own stream,
+        # and one ending (a reset, a cut upstream) does not end the connection
+        self.multiplexed = False
         self.shape = ContentShape()  # of the content chunks on this connection
         # why the client connection is going to end, decided at the first sign of it
         self.cause: Literal["client", "upstream", "tracer"] | None = None
@@ -294,6 +304,7 @@ class _Flow(ResponseState[SseObserver]):
     """Mutable per-request state while it is in flight (``sniff._Request``'s counterpart)."""
 
     __slots__ = (
+        "active_m",
         "body_end_m",
         "by_proxy",
         "closes",
@@ -313,6 +324,7 @@ class _Flow(ResponseState[SseObserver]):
 
     def __init__(self, flow_id: str, conn: _Conn, seq: int, head_m: float, json_body: bool) -> None:
         super().__init__(seq, head_m)
+        self.active_m = head_m  # its last sign of life (a stream's own, on HTTP/2)
         self.flow_id = flow_id
         self.conn = conn
         self.json_body = json_body
@@ -591,6 +603,12 @@ class TraceAddon:
             )
         )
 
+    def _ended_by(self, conn: _Conn, cause: Literal["client", "upstream", "tracer"]) -> None:
+        """An exchange ended in a way that ends an HTTP/1 connection; an HTTP/2 stream's
+        end (a reset, a cut upstream, a kill) leaves its connection open."""
+        if not conn.multiplexed:
+            self._note_cause(conn, cause)
+
     def _note_cause(self, conn: _Conn, cause: Literal["client", "upstream", "tracer"]) -> None:
         if conn.cause is None:
             conn.cause = cause
@@ -606,6 +624,8 @@ class TraceAddon:
         head_m = min(req.timestamp_start - self._wall, now)
         conn = self._conn_of(flow.client_conn, now)
         conn.seq += 1
+        if req.http_version.startswith(("HTTP/2", "HTTP/3")):
+            conn.multiplexed = True
         content_length: int | None = None
         chunked = expect = json_body = False
         request_id: str | None = None
@@ -638,7 +658,7 @@ class TraceAddon:
             st.closes = "tracer"  # mitmproxy closes the client connection after it
         conn.pending.append(st)
         self._flows[flow.id] = st
-        self._activity(conn, head_m)
+        self._activity(conn, head_m, st)
         idle = 0.0 if pipelined else max(0.0, head_m - conn.last_end_m)
         self._emit(
             ev.RequestHead(
@@ -672,7 +692,7 @@ class TraceAddon:
                 try:
                     if st.req_body is not None:
                         st.req_body.add(data)
-                    self._activity(st.conn, time.monotonic())
+                    self._activity(st.conn, time.monotonic(), st)
                 except Exception:
                     log.exception("tracer: observing a request body failed")
             return chain(data) if callable(chain) else data
@@ -685,7 +705,7 @@ class TraceAddon:
             return
         req = flow.request
         end_m = (req.timestamp_end or time.time()) - self._wall
-        self._activity(st.conn, end_m)
+        self._activity(st.conn, end_m, st)
         if flow.response is not None:  # an addon answered before the upstream was asked
             st.by_proxy = True
         self._request_end(st, req.raw_content, end_m, complete=True)
@@ -735,7 +755,7 @@ class TraceAddon:
             st.sse = SseObserver(st.conn.shape)
         if sse or self.bodies == "all":
             st.pieces = []
-        self._activity(st.conn, head_m)
+        self._activity(st.conn, head_m, st)
         self._emit(
             ev.ResponseHead(
                 t=head_m + self._wall,
@@ -889,6 +909,8 @@ class TraceAddon:
         conn.upstream_bytes += total
         if last > conn.last_activity_m:
             conn.last_activity_m = last
+        if last > st.active_m:
+            st.active_m = last
         data_text = encoding = None
         if pieces:
             if self.bodies == "all":
@@ -977,7 +999,7 @@ class TraceAddon:
         else:
             self._end(st, end_m, "complete")
         if st.closes is not None:  # the connection ends after this exchange
-            self._note_cause(st.conn, st.closes)
+            self._ended_by(st.conn, st.closes)
         _let_go(st, flow)
 
     def error(self, flow: http.HTTPFlow) -> None:
@@ -995,21 +1017,24 @@ class TraceAddon:
         m = min(err.timestamp - self._wall, now) if err is not None else now
         conn = st.conn
         if msg == Error.KILLED_MESSAGE:
-            self._note_cause(conn, "tracer")
+            self._ended_by(conn, "tracer")
             if not st.request_done:
                 self._request_end(st, flow.request.raw_content, m, complete=False)
             self._end(st, m, "in_flight", detail=f"killed in mitmproxy: {msg}")
             return
-        termination = self._cut_termination(st, msg)
+        termination = self._cut_termination(st, flow, msg)
         if not st.request_done:
             self._request_end(st, flow.request.raw_content, m, complete=False)
         if termination == "client_abort":
-            self._note_cause(conn, "client")
+            if msg.startswith(_H2_RESET):  # one stream: its connection goes on
+                self._ended_by(conn, "client")
+            else:  # the client's connection ends, whatever it carries
+                self._note_cause(conn, "client")
             self._end(st, m, "client_abort", detail=msg)
             return
         if st.resp_head_m is None and (flow.server_conn.error or not flow.server_conn.peername):
             # mitmproxy answered the client itself (its 502: the upstream is unreachable)
-            self._note_cause(conn, "tracer")
+            self._ended_by(conn, "tracer")
             st.status = 502
             self._emit(
                 ev.ResponseHead(
@@ -1029,7 +1054,7 @@ class TraceAddon:
             )
             self._end(st, m, "tracer_response", detail=msg)
             return
-        self._note_cause(conn, "upstream")
+        self._ended_by(conn, "upstream")
         if msg.startswith(_UNPARSED) and not any(s in msg for s in _UPSTREAM_CUT):
             self._emit(
                 ev.Anomaly(
@@ -1047,10 +1072,12 @@ class TraceAddon:
             return
         self._end(st, m, "truncated", detail=msg)
 
-    def _cut_termination(self, st: _Flow, msg: str) -> ev.Termination:
+    def _cut_termination(self, st: _Flow, flow: http.HTTPFlow, msg: str) -> ev.Termination:
         """Who went first: the client (mitmproxy says so, or its socket stopped reading)."""
         if msg.startswith(_CLIENT_GONE):
             return "client_abort"
+        if st.conn.multiplexed and msg.startswith(_H2_ENDS) and flow.server_conn.alpn != b"h2":
+            return "client_abort"  # HTTP/2 words, and only the client speaks HTTP/2 here
         if not st.conn.client.state & connection.ConnectionState.CAN_READ:
             return "client_abort"
         return "truncated"
@@ -1094,12 +1121,20 @@ class TraceAddon:
 
     # ---- stalls -------------------------------------------------------------------------
 
-    def _activity(self, conn: _Conn, m: float) -> None:
+    def _activity(self, conn: _Conn, m: float, st: _Flow) -> None:
+        """Something happened on ``st``'s exchange: on HTTP/1 that ends the stall of the
+        connection's oldest request (the one the connection waits for), on HTTP/2 only
+        ``st``'s own."""
         conn.last_activity_m = max(conn.last_activity_m, m)
-        if conn.pending:
-            st = conn.pending[0]
+        if m > st.active_m:
+            st.active_m = m
+        if conn.multiplexed:
             if st.stall_start_m is not None:
                 self._end_stall(st, m)
+        elif conn.pending:
+            oldest = conn.pending[0]
+            if oldest.stall_start_m is not None:
+                self._end_stall(oldest, m)
 
     def _end_stall(self, st: _Flow, m: float) -> None:
         event = end_stall(st, m, tap=self.tap, conn=st.conn.conn, wall=self._wall)
@@ -1132,46 +1167,53 @@ class TraceAddon:
                     now - st.times[0] >= BODY_BATCH_SECONDS or st.stall_start_m is not None
                 ):
                     self._flush_guarded(st)
-            if not conn.pending:
-                continue
-            st = conn.pending[0]
-            last = conn.last_activity_m
-            if st.times and st.times[-1] > last:
-                last = st.times[-1]
-            silent = now - last
-            if st.stall_start_m is not None or silent < self.stall_after:
-                continue
-            blocked, unsent = _client_backlog(conn.client)
-            direction: StallDirection
-            if blocked or (unsent is not None and unsent > 0 and st.status is not None):
-                direction = "client_not_reading"
-            elif not st.request_done and st.status is None:
-                direction = "client_silent"
-            else:
-                direction = "upstream_silent"
-            self._flush_guarded(st)  # the last bytes before the stall go on record first
-            st.stall_start_m = last
-            st.stall_direction = direction
-            self._emit(
-                ev.Stall(
-                    t=now + self._wall,
-                    m=now,
-                    tap=self.tap,
-                    conn=conn.conn,
-                    seq=st.seq,
-                    phase="start",
-                    direction=direction,
-                    silent_for=round(silent, 6),
-                    unsent_bytes=unsent,
-                )
+            # HTTP/1: the oldest request, silent while nothing happens on the connection;
+            # HTTP/2: each stream by its own sign of life (the others may go on meanwhile)
+            for st in conn.pending if conn.multiplexed else conn.pending[:1]:
+                self._stall_check(conn, st, now)
+
+    def _stall_check(self, conn: _Conn, st: _Flow, now: float) -> None:
+        """Start a stall for ``st`` when it has been silent for ``stall_after``."""
+        last = st.active_m if conn.multiplexed else conn.last_activity_m
+        if st.times and st.times[-1] > last:
+            last = st.times[-1]
+        silent = now - last
+        if st.stall_start_m is not None or silent < self.stall_after:
+            return
+        blocked, unsent = _client_backlog(conn.client)
+        # on HTTP/2 a backlog is the connection's: it holds this stream back only when
+        # the other streams are held too (while they go on, the client reads)
+        held = not conn.multiplexed or now - _last_sign(conn) >= self.stall_after
+        direction: StallDirection
+        if held and (blocked or (unsent is not None and unsent > 0 and st.status is not None)):
+            direction = "client_not_reading"
+        elif not st.request_done and st.status is None:
+            direction = "client_silent"
+        else:
+            direction = "upstream_silent"
+        self._flush_guarded(st)  # the last bytes before the stall go on record first
+        st.stall_start_m = last
+        st.stall_direction = direction
+        self._emit(
+            ev.Stall(
+                t=now + self._wall,
+                m=now,
+                tap=self.tap,
+                conn=conn.conn,
+                seq=st.seq,
+                phase="start",
+                direction=direction,
+                silent_for=round(silent, 6),
+                unsent_bytes=unsent,
             )
-            log.warning(
-                "tracer: stall started (conn %d, request %d): %s for %.3fs",
-                conn.conn,
-                st.seq,
-                direction,
-                silent,
-            )
+        )
+        log.warning(
+            "tracer: stall started (conn %d, request %d): %s for %.3fs",
+            conn.conn,
+            st.seq,
+            direction,
+            silent,
+        )
 
     # ---- injected faults (from addons/faults.py) ------------------------------------------
 
@@ -1223,6 +1265,11 @@ def _let_go(st: _Flow, flow: http.HTTPFlow) -> None:
         flow.request.stream = st.req_chain
     if st.streamed_response and flow.response is not None:
         flow.response.stream = st.resp_chain
+
+
+def _last_sign(conn: _Conn) -> float:
+    """The connection's last sign of life, its streams' pieces not yet written included."""
+    return max([conn.last_activity_m, *(st.times[-1] for st in conn.pending if st.times)])
 
 
 def _options_error(message: str) -> Exception:

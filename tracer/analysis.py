@@ -48,6 +48,7 @@ class RequestRow:
     method: str
     target: str
     request_id: str | None = None
+    version: str | None = None  # HTTP version of the request: 1.1, 1.0, 2.0 (mitmproxy's)
     model: str | None = None
     stream: bool | None = None
     max_tokens: int | None = None
@@ -373,6 +374,7 @@ class Summary:
                         method=event.method,
                         target=event.target,
                         request_id=event.request_id,
+                        version=event.version,
                         pipelined=event.pipelined,
                         after_close=self._closing.get(ckey, False),
                     ),

@@ -44,6 +44,7 @@ from .spill import ChunkLog, SortedSpool
 CONFIDENCE = {"high": 0, "medium": 1, "low": 2}
 ENGINE_PROFILES = {"sglang", "vllm", "llamacpp"}
 ROUTER_PROFILES = {"smg", "sgl_router"}
+STREAM_RESET = "stream reset by client"  # mitmproxy's words for an HTTP/2 RST_STREAM
 SLOW_FIRST_TOKEN = 2.0  # seconds: below this a first token is never "slow"
 MAX_QUOTED = 10  # requests quoted one by one in a note about many
 JOIN_SLACK = 1.0  # seconds: clock offset between taps tolerated when joining by time
@@ -642,9 +643,21 @@ def _finding(
     }
 
 
+def _multiplexed(r: RequestRow) -> bool:
+    """An HTTP/2 (or 3) request: a stream among others, not a keep-alive turn."""
+    return r.version is not None and r.version[:1] in ("2", "3")
+
+
+def _reused_words(r: RequestRow) -> str:
+    major = (r.version or "1")[:1]
+    return f"reused HTTP/{major} connection" if _multiplexed(r) else "reused keep-alive connection"
+
+
 def _req_quote(r: RequestRow) -> str:
     pos = f"request {r.seq} on connection {r.tap}/{r.conn}"
-    if r.reused:
+    if r.reused and _multiplexed(r):
+        pos += f" (HTTP/{r.version} stream on a connection already open)"
+    elif r.reused:
         pos += f" (keep-alive reuse after {r.idle_before:.3f} s idle)"
     else:
         pos += " (fresh connection)"
@@ -781,7 +794,7 @@ def analyze_request_hangs(ctx: Context) -> list[dict[str, Any]]:
             party = "engine" if serving else "proxy"
             if serving:  # the tap's upstream is the serving stack: it lost the request
                 kind = "engine_lost_request"
-            what = "held the reused keep-alive connection" if r.reused else "swallowed the request"
+            what = f"held the {_reused_words(r)}" if r.reused else "swallowed the request"
             summary = f"The hop after tap {r.tap} {what}: the engine was idle the whole time" + (
                 " and fresh connections answered." if answered else "."
             )
@@ -884,7 +897,9 @@ def analyze_client(ctx: Context) -> list[dict[str, Any]]:
                 _finding(
                     "client_abort",
                     "client",
-                    "The client closed the connection while the response was still flowing.",
+                    "The client reset the HTTP/2 stream while the response was still flowing."
+                    if _multiplexed(r) and (r.detail or "").startswith(STREAM_RESET)
+                    else "The client closed the connection while the response was still flowing.",
                     [r],
                     [_req_quote(r), _outcome_quote(r)],
                     [{"party": "engine", "why": "bytes were arriving until the client closed"}],
@@ -1272,7 +1287,7 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
                         "proxy",
                         f"The hop between tap {last} and tap {after} "
                         + (
-                            "held the reused keep-alive connection"
+                            f"held the {_reused_words(seen[last])}"
                             if seen[last].reused
                             else "swallowed the request"
                         )

@@ -1,0 +1,113 @@
+"""The mitmproxy addon with HTTP/2 towards the client: streams, not keep-alive requests.
+
+mitmproxy speaks HTTP/2 to a client that offers it (TLS, ALPN ``h2``) and HTTP/1.1 to
+the upstream, one upstream connection per stream in flight. Several requests then run at
+once on one client connection, and one of them ending (the client resets it, the upstream
+cuts it) leaves the connection and the other streams going. A real mitmdump with the
+addon, the simulated engine behind it, and a real HTTP/2 client (``tests/h2client.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tracer.capture import read_records
+
+from .conftest import wait_until
+from .h2client import H2Client
+from .test_addon_trace import _count, mitmdump
+from .test_sim_engine import engine_running
+
+BODY = {
+    "model": "sim-model",
+    "max_tokens": 30,
+    "stream": True,
+    "messages": [{"role": "user", "content": "over HTTP/2"}],
+}
+PATH = "/v1/chat/completions"
+
+
+def analyzed(capture: Path) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-m", "tracer", "analyze", str(capture), "--format", "json"],
+        capture_output=True,
+        check=True,
+        timeout=30,
+    )
+    return dict(json.loads(out.stdout))
+
+
+@pytest.mark.anyio
+async def test_streams_on_one_connection_end_and_stall_each_on_its_own(tmp_path: Path) -> None:
+    async with engine_running(ttft=0.01, itl=0.02) as engine:
+        async with mitmdump(
+            engine.url, tmp_path, "--set", "tracer_tap=mitm", "--set", "tracer_stall_after=0.5"
+        ) as (url, capture):
+            port = int(url.rsplit(":", 1)[1])
+            cafile = str(tmp_path / "mitmproxy" / "mitmproxy-ca-cert.pem")
+            # one connection: four streams at once (one stalls 1.2 s, one is reset by the
+            # client), then one more on the same connection, then a clean close (GOAWAY)
+            client = await H2Client.connect(port, cafile)
+            faults = ["none", "stall:after=2:for=1.2", "none", "none"]
+            ids = [
+                await client.post(PATH, BODY, {"x-request-id": f"h2-{i}", "x-sim-fault": f})
+                for i, f in enumerate(faults)
+            ]
+            reset = ids[2]
+            await client.read_until(lambda: client.streams[reset].data.count(b"tok") >= 2)
+            await client.reset(reset)
+            others = [i for i in ids if i != reset]
+            await client.read_until(lambda: all(client.streams[i].ended for i in others))
+            last = await client.post(PATH, BODY, {"x-request-id": "h2-4"})
+            await client.read_until(lambda: client.streams[last].ended)
+            await client.close()
+            # another: two streams, then the client's socket closes under them
+            gone = await H2Client.connect(port, cafile)
+            cut = [await gone.post(PATH, BODY, {"x-request-id": f"gone-{i}"}) for i in (0, 1)]
+            await gone.read_until(lambda: all(gone.streams[i].data.count(b"tok") for i in cut))
+            await gone.sock.aclose()
+            await wait_until(lambda: _count(capture, "conn_close") >= 2, 10)
+    for i in [*others, last]:
+        stream = client.streams[i]
+        assert stream.status == 200 and stream.data.endswith(b"data: [DONE]\n\n"), i
+
+    records = list(read_records(capture))
+    heads = [r for r in records if r["type"] == "request"]
+    assert {r["version"] for r in heads} == {"2.0"}
+    assert [(r["conn"], r["seq"]) for r in heads if r["conn"] == 1] == [(1, n) for n in range(1, 6)]
+    closes = {r["conn"]: r for r in records if r["type"] == "conn_close"}
+    assert closes[1]["closed_by"] == "client" and closes[1]["in_flight"] is False
+    assert closes[1]["requests"] == 5
+    assert closes[2]["closed_by"] == "client" and closes[2]["in_flight"] is True
+    stalls = [r for r in records if r["type"] == "stall"]
+    assert [(s["seq"], s["phase"], s["direction"]) for s in stalls] == [
+        (2, "start", "upstream_silent"),
+        (2, "end", "upstream_silent"),
+    ]
+    # the stalled stream's own silence, though the other streams went on meanwhile
+    assert 0.5 <= stalls[0]["silent_for"] < 0.9 and stalls[1]["silent_for"] >= 1.0
+
+    doc = analyzed(capture)
+    rows = {r["request_id"]: r for r in doc["requests"]}
+    assert rows["h2-2"]["termination"] == "client_abort" and not rows["h2-2"]["done"]
+    for rid in ("h2-0", "h2-1", "h2-3", "h2-4"):
+        assert rows[rid]["termination"] == "complete" and rows[rid]["done"], rid
+        assert rows[rid]["events"] == rows["h2-0"]["events"], rid
+    assert [s["direction"] for s in rows["h2-1"]["stalls"]] == ["upstream_silent"]
+    assert all(not rows[r]["stalls"] for r in ("h2-0", "h2-2", "h2-3", "h2-4"))
+    assert {rows[f"gone-{i}"]["termination"] for i in (0, 1)} == {"client_abort"}
+    # a client's reset is not the upstream's cut, nor a closed connection; streams are
+    # not keep-alive turns
+    (reset_finding,) = [f for f in doc["findings"] if "mitm/1/3" in f["requests"]]
+    assert reset_finding["kind"] == "client_abort" and reset_finding["party"] == "client"
+    assert "reset the HTTP/2 stream" in reset_finding["summary"]
+    evidence = [e for f in doc["findings"] for e in f["evidence"]]
+    assert any("HTTP/2.0 stream on a connection already open" in e for e in evidence)
+    assert not any("keep-alive" in e for e in evidence)
+    assert {rows[r]["version"] for r in rows} == {"2.0"}
