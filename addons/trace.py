@@ -51,8 +51,10 @@ Rules:
    or truncated), a kill (in flight), a parse failure (unparsed, with an ``anomaly``),
    an answer made by mitmproxy itself (``tracer_response``: its 502 when the upstream
    cannot be reached, or a response an addon set). On HTTP/2 from the client
-   (``_Conn.multiplexed``) a stream's end is that stream's alone, and each stream in
-   flight is watched for stalls by its own last sign of life.
+   (``_Conn.multiplexed``) a stream's end is that stream's alone, each stream in flight
+   is watched for stalls by its own last sign of life, and the bytes mitmproxy holds for
+   the client under flow control are followed (``_delivery_check``): a streamed
+   response ends when they have left.
 4. What mitmproxy does not show is not invented: chunk boundaries (``chunks`` is 0),
    FIN versus reset (``close`` is absent; ``conn_close.how`` is ``unknown``), half-close.
    See ``addons/README.md``.
@@ -90,6 +92,8 @@ from mitmproxy import version as mitmproxy_version
 from mitmproxy.addonmanager import Loader
 from mitmproxy.flow import Error
 from mitmproxy.proxy import server_hooks
+from mitmproxy.proxy.layer import NextLayer
+from mitmproxy.proxy.layers.http import HttpLayer
 
 from tracer import __version__
 from tracer import events as ev
@@ -136,6 +140,8 @@ class _Conn:
         "client",
         "client_bytes",
         "conn",
+        "h2",
+        "h2_layer",
         "in_flight_at_cause",
         "last_activity_m",
         "last_end_m",
@@ -162,6 +168,11 @@ class _Conn:
         # HTTP/2 (or 3) from the client: requests run at once, each as its own stream,
         # and one ending (a reset, a cut upstream) does not end the connection
         self.multiplexed = False
+        # mitmproxy's HTTP layer and HTTP/2 connection for it, found on the first stream
+        # (``_h2_of``; None when its internals are not as expected): where the bytes it
+        # holds for the client under HTTP/2 flow control are
+        self.h2_layer: Any = None
+        self.h2: Any = None
         self.shape = ContentShape()  # of the content chunks on this connection
         # why the client connection is going to end, decided at the first sign of it
         self.cause: Literal["client", "upstream", "tracer"] | None = None
@@ -309,17 +320,22 @@ class _Flow(ResponseState[SseObserver]):
         "by_proxy",
         "closes",
         "conn",
+        "delivered",
         "due",
         "flow_id",
+        "held",
+        "held_since",
         "json_body",
         "pieces",
         "req_body",
         "req_chain",
         "resp_chain",
         "sizes",
+        "stream_id",
         "streamed_request",
         "streamed_response",
         "times",
+        "upstream_end_m",
     )
 
     def __init__(self, flow_id: str, conn: _Conn, seq: int, head_m: float, json_body: bool) -> None:
@@ -344,6 +360,14 @@ class _Flow(ResponseState[SseObserver]):
         self.sizes: list[int] = []
         self.pieces: list[bytes] | None = None
         self.due: int | None = None  # pieces of the batch due to be written (_write_due)
+        # HTTP/2: the client's stream, what mitmproxy holds for it (flow control), since
+        # when the client has taken nothing, what it has taken, and the upstream's end
+        # while the last bytes wait for the client (the response ends when they leave)
+        self.stream_id: int | None = None
+        self.held = 0
+        self.held_since = head_m
+        self.delivered = 0
+        self.upstream_end_m: float | None = None
 
 
 class TraceAddon:
@@ -624,8 +648,9 @@ class TraceAddon:
         head_m = min(req.timestamp_start - self._wall, now)
         conn = self._conn_of(flow.client_conn, now)
         conn.seq += 1
-        if req.http_version.startswith(("HTTP/2", "HTTP/3")):
+        if req.http_version.startswith(("HTTP/2", "HTTP/3")) and not conn.multiplexed:
             conn.multiplexed = True
+            conn.h2_layer, conn.h2 = _h2_of(flow.client_conn)
         content_length: int | None = None
         chunked = expect = json_body = False
         request_id: str | None = None
@@ -656,6 +681,8 @@ class TraceAddon:
         st = _Flow(flow.id, conn, conn.seq, head_m, json_body)
         if _client_closes(req.http_version, connection):
             st.closes = "tracer"  # mitmproxy closes the client connection after it
+        if conn.h2 is not None:
+            st.stream_id = _stream_id(conn.h2_layer, flow)
         conn.pending.append(st)
         self._flows[flow.id] = st
         self._activity(conn, head_m, st)
@@ -882,7 +909,7 @@ class TraceAddon:
         if not times:
             return
         first, last = times[0], times[-1]
-        if st.stall_start_m is not None and first > st.stall_start_m:
+        if st.stall_start_m is not None and first > st.stall_start_m and not st.held:
             self._end_stall(st, first)  # the first bytes after a stall end it
         dts = [((m - first) * 1e6 + 0.5) // 1 / 1e6 for m in times]  # round(…, 6), cheaper
         total = sum(sizes)
@@ -994,6 +1021,8 @@ class TraceAddon:
             st.max_gap = end_m - last
         if st.by_proxy:
             self._end(st, end_m, "tracer_response", detail="answered by a mitmproxy addon")
+        elif st.conn.multiplexed and self._still_held(st, end_m):
+            pass  # the response ends when its last bytes leave (tick, _delivery_check)
         elif resp.status_code == 101:
             self._end(st, end_m, "complete", detail="switched protocols")
         else:
@@ -1129,7 +1158,7 @@ class TraceAddon:
         if m > st.active_m:
             st.active_m = m
         if conn.multiplexed:
-            if st.stall_start_m is not None:
+            if st.stall_start_m is not None and not st.held:
                 self._end_stall(st, m)
         elif conn.pending:
             oldest = conn.pending[0]
@@ -1168,9 +1197,61 @@ class TraceAddon:
                 ):
                     self._flush_guarded(st)
             # HTTP/1: the oldest request, silent while nothing happens on the connection;
-            # HTTP/2: each stream by its own sign of life (the others may go on meanwhile)
-            for st in conn.pending if conn.multiplexed else conn.pending[:1]:
-                self._stall_check(conn, st, now)
+            # HTTP/2: each stream by its own sign of life (the others may go on meanwhile),
+            # unless mitmproxy holds bytes of it for the client
+            if not conn.multiplexed:
+                if conn.pending:
+                    self._stall_check(conn, conn.pending[0], now)
+                continue
+            for st in list(conn.pending):
+                if not self._delivery_check(conn, st, now):
+                    self._stall_check(conn, st, now)
+
+    def _still_held(self, st: _Flow, end_m: float) -> bool:
+        """HTTP/2, at the upstream's end of a response: whether mitmproxy still holds some
+        of it for the client (flow control). Then the response ends when they leave."""
+        held = _held(st.conn.h2, st.stream_id)
+        if not held:
+            return False
+        st.held = held
+        st.upstream_end_m = end_m
+        return True
+
+    def _delivery_check(self, conn: _Conn, st: _Flow, now: float) -> bool:
+        """HTTP/2: follow the bytes mitmproxy holds for the client on ``st``'s stream.
+
+        The client taking none of them for ``stall_after`` is a ``client_not_reading``
+        stall (ended when it takes some); a response whose upstream end has come ends
+        when they have all left (``complete``), or when the client resets the stream
+        instead (``client_abort``). True while bytes are held (or the stream ended here):
+        the stream's silence towards the upstream is then not the question.
+        """
+        held = _held(conn.h2, st.stream_id)
+        if held is None:  # cannot look (any more): end by what is known
+            if st.upstream_end_m is None:
+                return False
+            self._end(st, now, "complete", detail="mitmproxy's HTTP/2 state went away")
+            return True
+        delivered = st.resp_bytes + sum(st.sizes) - held
+        if delivered > st.delivered or not held:  # the client takes bytes
+            st.delivered = delivered
+            st.held_since = now
+            if st.stall_start_m is not None and st.stall_direction == "client_not_reading":
+                self._end_stall(st, now)
+        st.held = held
+        if st.upstream_end_m is not None and not held:
+            if _reset_by_client(conn.h2, st.stream_id):
+                self._end(st, now, "client_abort", detail="stream reset by client (bytes held)")
+            else:
+                waited = now - st.upstream_end_m
+                detail = f"the client took the last bytes {waited:.3f} s after the upstream's end"
+                self._end(st, now, "complete", detail=detail)
+            return True
+        if not held:
+            return False
+        if st.stall_start_m is None and now - st.held_since >= self.stall_after:
+            self._start_stall(conn, st, now, st.held_since, "client_not_reading", held)
+        return True
 
     def _stall_check(self, conn: _Conn, st: _Flow, now: float) -> None:
         """Start a stall for ``st`` when it has been silent for ``stall_after``."""
@@ -1191,9 +1272,21 @@ class TraceAddon:
             direction = "client_silent"
         else:
             direction = "upstream_silent"
+        self._start_stall(conn, st, now, last, direction, unsent)
+
+    def _start_stall(
+        self,
+        conn: _Conn,
+        st: _Flow,
+        now: float,
+        since: float,
+        direction: StallDirection,
+        unsent: int | None,
+    ) -> None:
         self._flush_guarded(st)  # the last bytes before the stall go on record first
-        st.stall_start_m = last
+        st.stall_start_m = since
         st.stall_direction = direction
+        silent = now - since
         self._emit(
             ev.Stall(
                 t=now + self._wall,
@@ -1265,6 +1358,50 @@ def _let_go(st: _Flow, flow: http.HTTPFlow) -> None:
         flow.request.stream = st.req_chain
     if st.streamed_response and flow.response is not None:
         flow.response.stream = st.resp_chain
+
+
+def _h2_of(client: connection.Client) -> tuple[Any, Any]:
+    """mitmproxy's HTTP layer for a client connection and the HTTP/2 connection it keeps
+    for it, found through mitmproxy's internals (its proxyserver's connection handler and
+    the layers under it, as ``_client_backlog``); (None, None) when they are not there."""
+    try:
+        proxyserver = ctx.master.addons.get("proxyserver")  # type: ignore[no-untyped-call]
+        layer = proxyserver.connections[client.id].layer
+        for _ in range(16):
+            if isinstance(layer, HttpLayer):
+                h2_conn = getattr(layer.connections.get(client), "h2_conn", None)
+                return (layer, h2_conn) if h2_conn is not None else (None, None)
+            layer = layer.layer if isinstance(layer, NextLayer) else layer.child_layer
+    except Exception:
+        pass
+    return None, None
+
+
+def _stream_id(http_layer: Any, flow: http.HTTPFlow) -> int | None:
+    """The client's HTTP/2 stream that carries ``flow``."""
+    try:
+        return next((sid for sid, s in http_layer.streams.items() if s.flow is flow), None)
+    except Exception:
+        return None
+
+
+def _held(h2_conn: Any, stream_id: int | None) -> int | None:
+    """Bytes mitmproxy holds for the client on an HTTP/2 stream (waiting for flow-control
+    window); None when it cannot be looked at."""
+    if h2_conn is None or stream_id is None:
+        return None
+    try:
+        return sum(len(item.data) for item in h2_conn.stream_buffers.get(stream_id, ()))
+    except Exception:
+        return None
+
+
+def _reset_by_client(h2_conn: Any, stream_id: int | None) -> bool:
+    try:
+        how = h2_conn._stream_closed_by(stream_id)
+    except Exception:
+        return False
+    return how is not None and how.name == "RECV_RST_STREAM"
 
 
 def _last_sign(conn: _Conn) -> float:

@@ -2,8 +2,9 @@
 
 httpx offers ``http/1.1`` before ``h2`` in its TLS handshake, and mitmproxy takes the
 client's first choice, so an httpx client always speaks HTTP/1.1 to mitmproxy. This one
-offers ``h2`` only, runs several streams on one connection at once and can reset one
-(``RST_STREAM``), as a browser or a Go client would.
+offers ``h2`` only, runs several streams on one connection at once, can reset one
+(``RST_STREAM``), as a browser or a Go client would, and can stop granting one stream
+flow-control window (``pause``), as a client that stops reading it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import h2.config
 import h2.connection
 import h2.errors
 import h2.events
+import h2.settings
 from anyio.abc import ByteStream
 
 
@@ -37,6 +39,7 @@ class H2Client:
         self.authority = authority
         self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         self.streams: dict[int, Stream] = {}
+        self.paused: dict[int, int] = {}  # streams whose data is not acknowledged: bytes
         self.closed = False
 
     @classmethod
@@ -78,6 +81,22 @@ class H2Client:
         await self.flush()
         return sid
 
+    async def window(self, size: int) -> None:
+        """Grant each stream this much to begin with (``SETTINGS_INITIAL_WINDOW_SIZE``)."""
+        self.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: size})
+        await self.flush()
+
+    def pause(self, sid: int) -> None:
+        """Stop granting ``sid`` window: its data stays with the sender (flow control)."""
+        self.paused.setdefault(sid, 0)
+
+    async def resume(self, sid: int) -> None:
+        """Grant ``sid`` what it has used, and go on granting as data comes."""
+        unacked = self.paused.pop(sid, 0)
+        if unacked:
+            self.conn.acknowledge_received_data(unacked, sid)
+        await self.flush()
+
     async def reset(self, sid: int) -> None:
         """Give up on one stream (``RST_STREAM`` CANCEL); the connection stays."""
         self.conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
@@ -100,7 +119,10 @@ class H2Client:
         elif isinstance(event, h2.events.DataReceived):
             stream = self.streams[event.stream_id]
             stream.data += event.data
-            self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            if event.stream_id in self.paused:
+                self.paused[event.stream_id] += event.flow_controlled_length
+            else:
+                self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
         elif isinstance(event, h2.events.StreamEnded):
             self.streams[event.stream_id].ended = True
         elif isinstance(event, h2.events.StreamReset):

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,36 +45,46 @@ def analyzed(capture: Path) -> dict[str, Any]:
     return dict(json.loads(out.stdout))
 
 
-@pytest.mark.anyio
-async def test_streams_on_one_connection_end_and_stall_each_on_its_own(tmp_path: Path) -> None:
-    async with engine_running(ttft=0.01, itl=0.02) as engine:
+@asynccontextmanager
+async def through_mitmdump(
+    tmp_path: Path, itl: float
+) -> AsyncIterator[tuple[Callable[[], Awaitable[H2Client]], Path]]:
+    """The simulated engine behind mitmdump with the addon (stalls after 0.5 s); yields a
+    way to open an HTTP/2 connection to it, and the capture."""
+    async with engine_running(ttft=0.01, itl=itl) as engine:
         async with mitmdump(
             engine.url, tmp_path, "--set", "tracer_tap=mitm", "--set", "tracer_stall_after=0.5"
         ) as (url, capture):
             port = int(url.rsplit(":", 1)[1])
             cafile = str(tmp_path / "mitmproxy" / "mitmproxy-ca-cert.pem")
-            # one connection: four streams at once (one stalls 1.2 s, one is reset by the
-            # client), then one more on the same connection, then a clean close (GOAWAY)
-            client = await H2Client.connect(port, cafile)
-            faults = ["none", "stall:after=2:for=1.2", "none", "none"]
-            ids = [
-                await client.post(PATH, BODY, {"x-request-id": f"h2-{i}", "x-sim-fault": f})
-                for i, f in enumerate(faults)
-            ]
-            reset = ids[2]
-            await client.read_until(lambda: client.streams[reset].data.count(b"tok") >= 2)
-            await client.reset(reset)
-            others = [i for i in ids if i != reset]
-            await client.read_until(lambda: all(client.streams[i].ended for i in others))
-            last = await client.post(PATH, BODY, {"x-request-id": "h2-4"})
-            await client.read_until(lambda: client.streams[last].ended)
-            await client.close()
-            # another: two streams, then the client's socket closes under them
-            gone = await H2Client.connect(port, cafile)
-            cut = [await gone.post(PATH, BODY, {"x-request-id": f"gone-{i}"}) for i in (0, 1)]
-            await gone.read_until(lambda: all(gone.streams[i].data.count(b"tok") for i in cut))
-            await gone.sock.aclose()
-            await wait_until(lambda: _count(capture, "conn_close") >= 2, 10)
+            yield (lambda: H2Client.connect(port, cafile)), capture
+
+
+@pytest.mark.anyio
+async def test_streams_on_one_connection_end_and_stall_each_on_its_own(tmp_path: Path) -> None:
+    async with through_mitmdump(tmp_path, itl=0.02) as (connect, capture):
+        # one connection: four streams at once (one stalls 1.2 s, one is reset by the
+        # client), then one more on the same connection, then a clean close (GOAWAY)
+        client = await connect()
+        faults = ["none", "stall:after=2:for=1.2", "none", "none"]
+        ids = [
+            await client.post(PATH, BODY, {"x-request-id": f"h2-{i}", "x-sim-fault": f})
+            for i, f in enumerate(faults)
+        ]
+        reset = ids[2]
+        await client.read_until(lambda: client.streams[reset].data.count(b"tok") >= 2)
+        await client.reset(reset)
+        others = [i for i in ids if i != reset]
+        await client.read_until(lambda: all(client.streams[i].ended for i in others))
+        last = await client.post(PATH, BODY, {"x-request-id": "h2-4"})
+        await client.read_until(lambda: client.streams[last].ended)
+        await client.close()
+        # another: two streams, then the client's socket closes under them
+        gone = await connect()
+        cut = [await gone.post(PATH, BODY, {"x-request-id": f"gone-{i}"}) for i in (0, 1)]
+        await gone.read_until(lambda: all(gone.streams[i].data.count(b"tok") for i in cut))
+        await gone.sock.aclose()
+        await wait_until(lambda: _count(capture, "conn_close") >= 2, 10)
     for i in [*others, last]:
         stream = client.streams[i]
         assert stream.status == 200 and stream.data.endswith(b"data: [DONE]\n\n"), i
@@ -111,3 +123,60 @@ async def test_streams_on_one_connection_end_and_stall_each_on_its_own(tmp_path:
     assert any("HTTP/2.0 stream on a connection already open" in e for e in evidence)
     assert not any("keep-alive" in e for e in evidence)
     assert {rows[r]["version"] for r in rows} == {"2.0"}
+
+
+@pytest.mark.anyio
+async def test_bytes_held_for_a_client_that_stops_reading_a_stream(tmp_path: Path) -> None:
+    """HTTP/2 flow control: mitmproxy keeps reading the upstream and holds the stream's
+    bytes itself. The stream stalls ``client_not_reading`` while the client takes none,
+    and its response ends when the last bytes leave, or when the client resets it."""
+    body = {**BODY, "max_tokens": 60}
+    async with through_mitmdump(tmp_path, itl=0.005) as (connect, capture):
+        client = await connect()
+        await client.window(1000)
+        held = await client.post(PATH, body, {"x-request-id": "held"})
+        client.pause(held)
+        read = await client.post(PATH, body, {"x-request-id": "read"})
+        await client.read_until(lambda: client.streams[read].ended)
+
+        def stall_of(seq: int) -> bool:
+            return any(r["type"] == "stall" and r["seq"] == seq for r in read_records(capture))
+
+        await wait_until(lambda: stall_of(1), 10)
+        assert len(client.streams[held].data) <= 1000
+        ends = [r["seq"] for r in read_records(capture) if r["type"] == "response_end"]
+        assert ends == [2]  # the upstream has ended both; the client has one
+        await client.resume(held)
+        await client.read_until(lambda: client.streams[held].ended)
+        await wait_until(lambda: _count(capture, "response_end") >= 2, 10)
+        # a third stream the client stops reading, then resets
+        given_up = await client.post(PATH, body, {"x-request-id": "given-up"})
+        client.pause(given_up)
+        await wait_until(lambda: stall_of(3), 10)
+        await client.reset(given_up)
+        await wait_until(lambda: _count(capture, "response_end") >= 3, 10)
+        await client.close()
+        await wait_until(lambda: _count(capture, "conn_close") >= 1, 10)
+    whole, ref = client.streams[held].data, client.streams[read].data
+    assert whole.endswith(b"data: [DONE]\n\n") and whole.count(b"data:") == ref.count(b"data:")
+
+    records = list(read_records(capture))
+    stalls = [(r["seq"], r["phase"], r["direction"]) for r in records if r["type"] == "stall"]
+    assert stalls == [
+        (1, "start", "client_not_reading"),
+        (1, "end", "client_not_reading"),
+        (3, "start", "client_not_reading"),
+        (3, "end", "client_not_reading"),
+    ]
+    starts = [r for r in records if r["type"] == "stall" and r["phase"] == "start"]
+    assert all(r["unsent_bytes"] > 10_000 for r in starts)  # held by mitmproxy
+    doc = analyzed(capture)
+    rows = {r["request_id"]: r for r in doc["requests"]}
+    assert rows["read"]["termination"] == "complete" and not rows["read"]["stalls"]
+    assert rows["held"]["termination"] == "complete" and rows["held"]["done"]
+    assert "took the last bytes" in rows["held"]["detail"]
+    # it ended when its last bytes left, after the stall, not at the upstream's end
+    assert rows["held"]["duration"] > max(0.5, rows["read"]["duration"])
+    assert rows["given-up"]["termination"] == "client_abort"
+    kinds = {(f["kind"], f["party"]) for f in doc["findings"]}
+    assert ("client_not_reading", "client") in kinds
