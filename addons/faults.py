@@ -37,7 +37,9 @@ ends, closing with FIN (``:reset`` is refused); it has no hook on an idle connec
 Each injection is logged, appended to ``flow.metadata["tracer.faults"]`` as
 ``{"fault", "spec", "seq", "detail"}``, and, when ``addons/trace.py`` is loaded, written
 to its capture as a ``fault`` record (as ``tracer proxy --fault`` writes it). Load this
-addon after ``addons/trace.py`` so that its hooks have the last word.
+addon after ``addons/trace.py`` so that its hooks have the last word; its stream callable
+shapes the pieces first and hands what is left to the trace addon's, so the capture
+shows what the client got, as the tap's does with its own faults.
 """
 
 from __future__ import annotations
@@ -238,9 +240,20 @@ class _Shaper:
         self.addon._note(self.flow, self.st, stop, f"stream {what} after {stop.count} events")
 
     def feed(self, data: bytes) -> list[bytes]:
-        if self.chain is not None:  # another addon's callable first
-            got = self.chain(data)
-            data = got if isinstance(got, bytes) else b"".join(got)
+        """The faults first, then the callable set before this one on what is left: so
+        ``addons/trace.py``'s observer sees what the client gets, as the tap's does."""
+        shaped = self._shape(data)
+        if self.chain is None:
+            return shaped
+        if not data and self.st.stopped is None:  # the end of the message, passed on
+            shaped.append(b"")
+        out: list[bytes] = []
+        for piece in shaped:
+            got = self.chain(piece)
+            out += [got] if isinstance(got, bytes) else list(got)
+        return [piece for piece in out if piece]  # (an empty piece would end the body)
+
+    def _shape(self, data: bytes) -> list[bytes]:
         if self.st.stopped is not None:
             return []
         if not data:  # the end of the message

@@ -325,6 +325,7 @@ class _Flow(ResponseState[SseObserver]):
         "flow_id",
         "held",
         "held_since",
+        "injected_stop",
         "json_body",
         "pieces",
         "req_body",
@@ -368,6 +369,9 @@ class _Flow(ResponseState[SseObserver]):
         self.held_since = head_m
         self.delivered = 0
         self.upstream_end_m: float | None = None
+        # addons/faults.py stopped passing the body on (stall- or truncate-after-events):
+        # the upstream's end is not the client's, the kill or hold that follows is
+        self.injected_stop: str | None = None
 
 
 class TraceAddon:
@@ -1019,6 +1023,13 @@ class TraceAddon:
         last = st.last_data_m
         if last is not None and end_m - last > st.max_gap:
             st.max_gap = end_m - last
+        if st.injected_stop == "truncate-after-events":  # faults.py kills it right after
+            self._ended_by(st.conn, "tracer")
+            self._end(st, time.monotonic(), "truncated", detail="cut by an injected fault")
+            _let_go(st, flow)
+            return
+        if st.injected_stop is not None:  # held for good by faults.py: in flight, stalls
+            return
         if st.by_proxy:
             self._end(st, end_m, "tracer_response", detail="answered by a mitmproxy addon")
         elif st.conn.multiplexed and self._still_held(st, end_m):
@@ -1324,6 +1335,8 @@ class TraceAddon:
         now = time.monotonic()
         st = self._flows.get(flow.id)
         conn = st.conn if st is not None else self._conn_of(flow.client_conn, now)
+        if st is not None and fault in ("stall-after-events", "truncate-after-events"):
+            st.injected_stop = fault
         self._emit(
             ev.FaultInjected(
                 t=now + self._wall,

@@ -316,8 +316,9 @@ async def test_mitmdump_hang_status_stall_against_the_sim_engine(tmp_path: Path)
 @pytest.mark.anyio
 async def test_mitmdump_drop_done_and_truncate_against_the_sim_engine(tmp_path: Path) -> None:
     specs = ("drop-done@pos=1", "truncate-after-events:3@pos=2")
+    capture = tmp_path / "mitm.jsonl"
     async with engine_running(ttft=0.0, itl=0.001) as engine:
-        async with mitmdump(engine.url, tmp_path, *specs) as url:
+        async with mitmdump(engine.url, tmp_path, *specs, capture=capture) as url:
             port = int(url.rsplit(":", 1)[1])
             async with await anyio.connect_tcp("127.0.0.1", port) as s:
                 await s.send(chat_request(3, usage=False))
@@ -331,3 +332,13 @@ async def test_mitmdump_drop_done_and_truncate_against_the_sim_engine(tmp_path: 
     third = json.loads(second.split(b"data: ")[3].split(b"\n\n")[0])
     assert third["choices"][0]["delta"]["content"] == "tok1 "
     assert engine.completions == 2
+    # the trace addon records what the client got, as the tap does with its own faults
+    events = list(read_events(capture))
+    ends = [e for e in events if isinstance(e, ev.ResponseEnd)]
+    assert [(e.seq, e.termination, e.events, e.done) for e in ends] == [
+        (1, "complete", 1 + 3 + 1, False),
+        (2, "truncated", 3, False),
+    ]
+    assert [e.closed_by for e in events if isinstance(e, ev.ConnClose)] == ["tracer"]
+    faults = [(e.seq, e.fault) for e in events if isinstance(e, ev.FaultInjected)]
+    assert faults == [(1, "drop-done"), (2, "truncate-after-events")]

@@ -47,13 +47,19 @@ def analyzed(capture: Path) -> dict[str, Any]:
 
 @asynccontextmanager
 async def through_mitmdump(
-    tmp_path: Path, itl: float
+    tmp_path: Path, itl: float, *options: str
 ) -> AsyncIterator[tuple[Callable[[], Awaitable[H2Client]], Path]]:
     """The simulated engine behind mitmdump with the addon (stalls after 0.5 s); yields a
     way to open an HTTP/2 connection to it, and the capture."""
     async with engine_running(ttft=0.01, itl=itl) as engine:
         async with mitmdump(
-            engine.url, tmp_path, "--set", "tracer_tap=mitm", "--set", "tracer_stall_after=0.5"
+            engine.url,
+            tmp_path,
+            "--set",
+            "tracer_tap=mitm",
+            "--set",
+            "tracer_stall_after=0.5",
+            *options,
         ) as (url, capture):
             port = int(url.rsplit(":", 1)[1])
             cafile = str(tmp_path / "mitmproxy" / "mitmproxy-ca-cert.pem")
@@ -180,3 +186,38 @@ async def test_bytes_held_for_a_client_that_stops_reading_a_stream(tmp_path: Pat
     assert rows["given-up"]["termination"] == "client_abort"
     kinds = {(f["kind"], f["party"]) for f in doc["findings"]}
     assert ("client_not_reading", "client") in kinds
+
+
+@pytest.mark.anyio
+async def test_faults_act_on_one_stream_of_the_connection(tmp_path: Path) -> None:
+    """``addons/faults.py`` over HTTP/2: a request fault holds its stream, an event fault
+    cuts its stream (mitmproxy resets it), and the connection's other streams go on."""
+    faults = ("hang-on-reuse:2", "truncate-after-events:3@pos=3")
+    options = ["-s", "addons/faults.py"]
+    for spec in faults:
+        options += ["--set", f"tracer_faults={spec}"]
+    async with through_mitmdump(tmp_path, 0.01, *options) as (connect, capture):
+        client = await connect()
+        ids = [await client.post(PATH, BODY, {"x-request-id": f"f{n}"}) for n in (1, 2, 3, 4)]
+        hung, cut = ids[1], ids[2]
+        others = [ids[0], ids[3]]
+        await client.read_until(
+            lambda: client.streams[cut].reset and all(client.streams[i].ended for i in others)
+        )
+        assert client.streams[hung].status is None and not client.streams[hung].data
+        assert client.streams[cut].data.count(b"data:") == 3
+        assert not client.streams[cut].ended  # no END_STREAM: cut, not finished
+        later = await client.post(PATH, BODY, {"x-request-id": "f5"})  # the connection lives
+        await client.read_until(lambda: client.streams[later].ended)
+        await client.close()
+        await wait_until(lambda: _count(capture, "conn_close") >= 1, 10)
+    records = list(read_records(capture))
+    injected = [(r["seq"], r["fault"]) for r in records if r["type"] == "fault"]
+    assert injected == [(2, "hang-on-reuse"), (3, "truncate-after-events")]
+    doc = analyzed(capture)
+    rows = {r["request_id"]: r for r in doc["requests"]}
+    assert {rows[r]["termination"] for r in ("f1", "f4", "f5")} == {"complete"}
+    assert rows["f2"]["injected"] == [faults[0]] and rows["f2"]["status"] is None
+    assert rows["f3"]["injected"] == [faults[1]] and not rows["f3"]["done"]
+    assert (rows["f3"]["termination"], rows["f3"]["events"]) == ("truncated", 3)
+    assert doc["connections"][0]["closed_by"] == "client"
