@@ -311,6 +311,38 @@ class SseObserver:
         return found
 
 
+class _Stream:
+    """The client's HTTP/2 stream that carries a flow, and the bytes mitmproxy holds for
+    it under flow control (``TraceAddon._delivery_check``)."""
+
+    __slots__ = ("delivered", "h2", "held", "held_since", "id", "upstream_end_m")
+
+    def __init__(self, h2: Any, stream_id: int, since: float) -> None:
+        self.h2 = h2  # mitmproxy's HTTP/2 connection to the client (BufferedH2Connection)
+        self.id = stream_id
+        self.held = 0  # bytes held for the client at the last look
+        self.held_since = since  # since when the client has taken none of them
+        self.delivered = 0  # bytes the client has taken
+        # the upstream's end, while the last bytes wait for the client (the response
+        # ends when they leave)
+        self.upstream_end_m: float | None = None
+
+    def held_now(self) -> int | None:
+        """Bytes mitmproxy holds for the client on this stream, waiting for flow-control
+        window; None when its internals cannot be looked at."""
+        try:
+            return sum(len(item.data) for item in self.h2.stream_buffers.get(self.id, ()))
+        except Exception:
+            return None
+
+    def reset_by_client(self) -> bool:
+        try:
+            how = self.h2._stream_closed_by(self.id)
+        except Exception:
+            return False
+        return how is not None and how.name == "RECV_RST_STREAM"
+
+
 class _Flow(ResponseState[SseObserver]):
     """Mutable per-request state while it is in flight (``sniff._Request``'s counterpart)."""
 
@@ -320,11 +352,8 @@ class _Flow(ResponseState[SseObserver]):
         "by_proxy",
         "closes",
         "conn",
-        "delivered",
         "due",
         "flow_id",
-        "held",
-        "held_since",
         "injected_stop",
         "json_body",
         "pieces",
@@ -332,11 +361,10 @@ class _Flow(ResponseState[SseObserver]):
         "req_chain",
         "resp_chain",
         "sizes",
-        "stream_id",
+        "stream",
         "streamed_request",
         "streamed_response",
         "times",
-        "upstream_end_m",
     )
 
     def __init__(self, flow_id: str, conn: _Conn, seq: int, head_m: float, json_body: bool) -> None:
@@ -361,14 +389,7 @@ class _Flow(ResponseState[SseObserver]):
         self.sizes: list[int] = []
         self.pieces: list[bytes] | None = None
         self.due: int | None = None  # pieces of the batch due to be written (_write_due)
-        # HTTP/2: the client's stream, what mitmproxy holds for it (flow control), since
-        # when the client has taken nothing, what it has taken, and the upstream's end
-        # while the last bytes wait for the client (the response ends when they leave)
-        self.stream_id: int | None = None
-        self.held = 0
-        self.held_since = head_m
-        self.delivered = 0
-        self.upstream_end_m: float | None = None
+        self.stream: _Stream | None = None  # HTTP/2, when mitmproxy's stream is found
         # addons/faults.py stopped passing the body on (stall- or truncate-after-events):
         # the upstream's end is not the client's, the kill or hold that follows is
         self.injected_stop: str | None = None
@@ -686,7 +707,9 @@ class TraceAddon:
         if _client_closes(req.http_version, connection):
             st.closes = "tracer"  # mitmproxy closes the client connection after it
         if conn.h2 is not None:
-            st.stream_id = _stream_id(conn.h2_layer, flow)
+            stream_id = _stream_id(conn.h2_layer, flow)
+            if stream_id is not None:
+                st.stream = _Stream(conn.h2, stream_id, head_m)
         conn.pending.append(st)
         self._flows[flow.id] = st
         self._activity(conn, head_m, st)
@@ -913,7 +936,7 @@ class TraceAddon:
         if not times:
             return
         first, last = times[0], times[-1]
-        if st.stall_start_m is not None and first > st.stall_start_m and not st.held:
+        if st.stall_start_m is not None and first > st.stall_start_m and not _held_back(st):
             self._end_stall(st, first)  # the first bytes after a stall end it
         dts = [((m - first) * 1e6 + 0.5) // 1 / 1e6 for m in times]  # round(…, 6), cheaper
         total = sum(sizes)
@@ -940,7 +963,7 @@ class TraceAddon:
         conn.upstream_bytes += total
         if last > conn.last_activity_m:
             conn.last_activity_m = last
-        if last > st.active_m:
+        if conn.multiplexed and last > st.active_m:
             st.active_m = last
         data_text = encoding = None
         if pieces:
@@ -1032,7 +1055,7 @@ class TraceAddon:
             return
         if st.by_proxy:
             self._end(st, end_m, "tracer_response", detail="answered by a mitmproxy addon")
-        elif st.conn.multiplexed and self._still_held(st, end_m):
+        elif st.stream is not None and self._still_held(st.stream, end_m):
             pass  # the response ends when its last bytes leave (tick, _delivery_check)
         elif resp.status_code == 101:
             self._end(st, end_m, "complete", detail="switched protocols")
@@ -1166,10 +1189,10 @@ class TraceAddon:
         connection's oldest request (the one the connection waits for), on HTTP/2 only
         ``st``'s own."""
         conn.last_activity_m = max(conn.last_activity_m, m)
-        if m > st.active_m:
-            st.active_m = m
         if conn.multiplexed:
-            if st.stall_start_m is not None and not st.held:
+            if m > st.active_m:
+                st.active_m = m
+            if st.stall_start_m is not None and not _held_back(st):
                 self._end_stall(st, m)
         elif conn.pending:
             oldest = conn.pending[0]
@@ -1218,14 +1241,14 @@ class TraceAddon:
                 if not self._delivery_check(conn, st, now):
                     self._stall_check(conn, st, now)
 
-    def _still_held(self, st: _Flow, end_m: float) -> bool:
+    def _still_held(self, stream: _Stream, end_m: float) -> bool:
         """HTTP/2, at the upstream's end of a response: whether mitmproxy still holds some
         of it for the client (flow control). Then the response ends when they leave."""
-        held = _held(st.conn.h2, st.stream_id)
+        held = stream.held_now()
         if not held:
             return False
-        st.held = held
-        st.upstream_end_m = end_m
+        stream.held = held
+        stream.upstream_end_m = end_m
         return True
 
     def _delivery_check(self, conn: _Conn, st: _Flow, now: float) -> bool:
@@ -1237,31 +1260,34 @@ class TraceAddon:
         instead (``client_abort``). True while bytes are held (or the stream ended here):
         the stream's silence towards the upstream is then not the question.
         """
-        held = _held(conn.h2, st.stream_id)
+        stream = st.stream
+        if stream is None:
+            return False
+        held = stream.held_now()
         if held is None:  # cannot look (any more): end by what is known
-            if st.upstream_end_m is None:
+            if stream.upstream_end_m is None:
                 return False
             self._end(st, now, "complete", detail="mitmproxy's HTTP/2 state went away")
             return True
         delivered = st.resp_bytes + sum(st.sizes) - held
-        if delivered > st.delivered or not held:  # the client takes bytes
-            st.delivered = delivered
-            st.held_since = now
+        if delivered > stream.delivered or not held:  # the client takes bytes
+            stream.delivered = delivered
+            stream.held_since = now
             if st.stall_start_m is not None and st.stall_direction == "client_not_reading":
                 self._end_stall(st, now)
-        st.held = held
-        if st.upstream_end_m is not None and not held:
-            if _reset_by_client(conn.h2, st.stream_id):
+        stream.held = held
+        if stream.upstream_end_m is not None and not held:
+            if stream.reset_by_client():
                 self._end(st, now, "client_abort", detail="stream reset by client (bytes held)")
             else:
-                waited = now - st.upstream_end_m
+                waited = now - stream.upstream_end_m
                 detail = f"the client took the last bytes {waited:.3f} s after the upstream's end"
                 self._end(st, now, "complete", detail=detail)
             return True
         if not held:
             return False
-        if st.stall_start_m is None and now - st.held_since >= self.stall_after:
-            self._start_stall(conn, st, now, st.held_since, "client_not_reading", held)
+        if st.stall_start_m is None and now - stream.held_since >= self.stall_after:
+            self._start_stall(conn, st, now, stream.held_since, "client_not_reading", held)
         return True
 
     def _stall_check(self, conn: _Conn, st: _Flow, now: float) -> None:
@@ -1398,23 +1424,10 @@ def _stream_id(http_layer: Any, flow: http.HTTPFlow) -> int | None:
         return None
 
 
-def _held(h2_conn: Any, stream_id: int | None) -> int | None:
-    """Bytes mitmproxy holds for the client on an HTTP/2 stream (waiting for flow-control
-    window); None when it cannot be looked at."""
-    if h2_conn is None or stream_id is None:
-        return None
-    try:
-        return sum(len(item.data) for item in h2_conn.stream_buffers.get(stream_id, ()))
-    except Exception:
-        return None
-
-
-def _reset_by_client(h2_conn: Any, stream_id: int | None) -> bool:
-    try:
-        how = h2_conn._stream_closed_by(stream_id)
-    except Exception:
-        return False
-    return how is not None and how.name == "RECV_RST_STREAM"
+def _held_back(st: _Flow) -> bool:
+    """Whether mitmproxy held bytes of ``st`` for the client at the last look: then bytes
+    from the upstream do not end its stall."""
+    return st.stream is not None and st.stream.held > 0
 
 
 def _last_sign(conn: _Conn) -> float:
