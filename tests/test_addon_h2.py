@@ -70,7 +70,7 @@ async def through_mitmdump(
 async def test_streams_on_one_connection_end_and_stall_each_on_its_own(tmp_path: Path) -> None:
     async with through_mitmdump(tmp_path, itl=0.02) as (connect, capture):
         # one connection: four streams at once (one stalls 1.2 s, one is reset by the
-        # client), then one more on the same connection, then a clean close (GOAWAY)
+        # client), then one the upstream cuts, one more, then a clean close (GOAWAY)
         client = await connect()
         faults = ["none", "stall:after=2:for=1.2", "none", "none"]
         ids = [
@@ -82,7 +82,11 @@ async def test_streams_on_one_connection_end_and_stall_each_on_its_own(tmp_path:
         await client.reset(reset)
         others = [i for i in ids if i != reset]
         await client.read_until(lambda: all(client.streams[i].ended for i in others))
-        last = await client.post(PATH, BODY, {"x-request-id": "h2-4"})
+        upstream_cut = await client.post(
+            PATH, BODY, {"x-request-id": "h2-4", "x-sim-fault": "close:after=2"}
+        )
+        await client.read_until(lambda: client.streams[upstream_cut].reset)
+        last = await client.post(PATH, BODY, {"x-request-id": "h2-5"})
         await client.read_until(lambda: client.streams[last].ended)
         await client.close()
         # another: two streams, then the client's socket closes under them
@@ -98,10 +102,10 @@ async def test_streams_on_one_connection_end_and_stall_each_on_its_own(tmp_path:
     records = list(read_records(capture))
     heads = [r for r in records if r["type"] == "request"]
     assert {r["version"] for r in heads} == {"2.0"}
-    assert [(r["conn"], r["seq"]) for r in heads if r["conn"] == 1] == [(1, n) for n in range(1, 6)]
+    assert [(r["conn"], r["seq"]) for r in heads if r["conn"] == 1] == [(1, n) for n in range(1, 7)]
     closes = {r["conn"]: r for r in records if r["type"] == "conn_close"}
     assert closes[1]["closed_by"] == "client" and closes[1]["in_flight"] is False
-    assert closes[1]["requests"] == 5
+    assert closes[1]["requests"] == 6
     assert closes[2]["closed_by"] == "client" and closes[2]["in_flight"] is True
     stalls = [r for r in records if r["type"] == "stall"]
     assert [(s["seq"], s["phase"], s["direction"]) for s in stalls] == [
@@ -114,14 +118,17 @@ async def test_streams_on_one_connection_end_and_stall_each_on_its_own(tmp_path:
     doc = analyzed(capture)
     rows = {r["request_id"]: r for r in doc["requests"]}
     assert rows["h2-2"]["termination"] == "client_abort" and not rows["h2-2"]["done"]
-    for rid in ("h2-0", "h2-1", "h2-3", "h2-4"):
+    assert (rows["h2-4"]["termination"], rows["h2-4"]["events"]) == ("truncated", 3)
+    for rid in ("h2-0", "h2-1", "h2-3", "h2-5"):
         assert rows[rid]["termination"] == "complete" and rows[rid]["done"], rid
         assert rows[rid]["events"] == rows["h2-0"]["events"], rid
     assert [s["direction"] for s in rows["h2-1"]["stalls"]] == ["upstream_silent"]
-    assert all(not rows[r]["stalls"] for r in ("h2-0", "h2-2", "h2-3", "h2-4"))
+    assert all(not rows[r]["stalls"] for r in ("h2-0", "h2-2", "h2-3", "h2-4", "h2-5"))
     assert {rows[f"gone-{i}"]["termination"] for i in (0, 1)} == {"client_abort"}
     # a client's reset is not the upstream's cut, nor a closed connection; streams are
     # not keep-alive turns
+    kinds = {f["requests"][0]: f["kind"] for f in doc["findings"]}
+    assert kinds["mitm/1/5"] == "stream_cut" and kinds["mitm/1/2"] == "upstream_silent"
     (reset_finding,) = [f for f in doc["findings"] if "mitm/1/3" in f["requests"]]
     assert reset_finding["kind"] == "client_abort" and reset_finding["party"] == "client"
     assert "reset the HTTP/2 stream" in reset_finding["summary"]
