@@ -109,6 +109,8 @@ from tracer.sniff import (
     end_stall,
     response_end,
     response_head_facts,
+    stall_direction,
+    start_stall,
 )
 from tracer.sse import SseEvent, SseSplitter, classify
 
@@ -1089,10 +1091,8 @@ class TraceAddon:
         if not st.request_done:
             self._request_end(st, flow.request.raw_content, m, complete=False)
         if termination == "client_abort":
-            if msg.startswith(_H2_RESET):  # one stream: its connection goes on
-                self._ended_by(conn, "client")
-            else:  # the client's connection ends, whatever it carries
-                self._note_cause(conn, "client")
+            if not msg.startswith(_H2_RESET):  # (a reset ends one HTTP/2 stream, no more)
+                self._note_cause(conn, "client")  # the client's connection ends
             self._end(st, m, "client_abort", detail=msg)
             return
         if st.resp_head_m is None and (flow.server_conn.error or not flow.server_conn.peername):
@@ -1301,14 +1301,10 @@ class TraceAddon:
         blocked, unsent = _client_backlog(conn.client)
         # on HTTP/2 a backlog is the connection's: it holds this stream back only when
         # the other streams are held too (while they go on, the client reads)
-        held = not conn.multiplexed or now - _last_sign(conn) >= self.stall_after
-        direction: StallDirection
-        if held and (blocked or (unsent is not None and unsent > 0 and st.status is not None)):
-            direction = "client_not_reading"
-        elif not st.request_done and st.status is None:
-            direction = "client_silent"
+        if conn.multiplexed and now - _last_sign(conn) < self.stall_after:
+            direction = stall_direction(st, client_blocked=False, unsent=None)
         else:
-            direction = "upstream_silent"
+            direction = stall_direction(st, client_blocked=blocked, unsent=unsent)
         self._start_stall(conn, st, now, last, direction, unsent)
 
     def _start_stall(
@@ -1321,20 +1317,16 @@ class TraceAddon:
         unsent: int | None,
     ) -> None:
         self._flush_guarded(st)  # the last bytes before the stall go on record first
-        st.stall_start_m = since
-        st.stall_direction = direction
-        silent = now - since
         self._emit(
-            ev.Stall(
-                t=now + self._wall,
-                m=now,
+            start_stall(
+                st,
+                now,
+                since,
+                direction,
+                unsent=unsent,
                 tap=self.tap,
                 conn=conn.conn,
-                seq=st.seq,
-                phase="start",
-                direction=direction,
-                silent_for=round(silent, 6),
-                unsent_bytes=unsent,
+                wall=self._wall,
             )
         )
         log.warning(
@@ -1342,7 +1334,7 @@ class TraceAddon:
             conn.conn,
             st.seq,
             direction,
-            silent,
+            now - since,
         )
 
     # ---- injected faults (from addons/faults.py) ------------------------------------------

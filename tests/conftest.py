@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
@@ -22,6 +25,17 @@ from tracer.relay import Tap, TapConfig
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+def analyze_json(*captures: Path | str, timeout: float = 60) -> dict[str, Any]:
+    """``tracer analyze CAPTURE... --format json`` run as a user runs it, parsed."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tracer", "analyze", *map(str, captures), "--format", "json"],
+        capture_output=True,
+        check=True,
+        timeout=timeout,
+    )
+    return dict(json.loads(done.stdout))
 
 
 # ---- a scripted raw upstream ----------------------------------------------------------

@@ -9,19 +9,15 @@ addon, the simulated engine behind it, and a real HTTP/2 client (``tests/h2clien
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tracer.capture import read_records
 
-from .conftest import wait_until
+from .conftest import analyze_json, wait_until
 from .h2client import H2Client
 from .test_addon_trace import _count, mitmdump
 from .test_sim_engine import engine_running
@@ -33,16 +29,6 @@ BODY = {
     "messages": [{"role": "user", "content": "over HTTP/2"}],
 }
 PATH = "/v1/chat/completions"
-
-
-def analyzed(capture: Path) -> dict[str, Any]:
-    out = subprocess.run(
-        [sys.executable, "-m", "tracer", "analyze", str(capture), "--format", "json"],
-        capture_output=True,
-        check=True,
-        timeout=30,
-    )
-    return dict(json.loads(out.stdout))
 
 
 @asynccontextmanager
@@ -115,7 +101,7 @@ async def test_streams_on_one_connection_end_and_stall_each_on_its_own(tmp_path:
     # the stalled stream's own silence, though the other streams went on meanwhile
     assert 0.5 <= stalls[0]["silent_for"] < 0.9 and stalls[1]["silent_for"] >= 1.0
 
-    doc = analyzed(capture)
+    doc = analyze_json(capture)
     rows = {r["request_id"]: r for r in doc["requests"]}
     assert rows["h2-2"]["termination"] == "client_abort" and not rows["h2-2"]["done"]
     assert (rows["h2-4"]["termination"], rows["h2-4"]["events"]) == ("truncated", 3)
@@ -183,7 +169,7 @@ async def test_bytes_held_for_a_client_that_stops_reading_a_stream(tmp_path: Pat
     ]
     starts = [r for r in records if r["type"] == "stall" and r["phase"] == "start"]
     assert all(r["unsent_bytes"] > 10_000 for r in starts)  # held by mitmproxy
-    doc = analyzed(capture)
+    doc = analyze_json(capture)
     rows = {r["request_id"]: r for r in doc["requests"]}
     assert rows["read"]["termination"] == "complete" and not rows["read"]["stalls"]
     assert rows["held"]["termination"] == "complete" and rows["held"]["done"]
@@ -221,7 +207,7 @@ async def test_faults_act_on_one_stream_of_the_connection(tmp_path: Path) -> Non
     records = list(read_records(capture))
     injected = [(r["seq"], r["fault"]) for r in records if r["type"] == "fault"]
     assert injected == [(2, "hang-on-reuse"), (3, "truncate-after-events")]
-    doc = analyzed(capture)
+    doc = analyze_json(capture)
     rows = {r["request_id"]: r for r in doc["requests"]}
     assert {rows[r]["termination"] for r in ("f1", "f4", "f5")} == {"complete"}
     assert rows["f2"]["injected"] == [faults[0]] and rows["f2"]["status"] is None

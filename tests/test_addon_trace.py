@@ -42,7 +42,7 @@ from tracer.capture import read_events, read_records
 from tracer.sim.harness import HarnessConfig, run_harness
 from tracer.sse import SseSplitter
 
-from .conftest import recv_all, recv_until, running_tap, wait_closed, wait_until
+from .conftest import analyze_json, recv_all, recv_until, running_tap, wait_closed, wait_until
 from .test_sim_engine import chat_request, engine_running
 
 with warnings.catch_warnings():  # mitmproxy.master imports ldap3, which warns on import
@@ -795,13 +795,7 @@ def label(request_id: str) -> str:
 
 def tables(capture: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], dict[str, Any]]]:
     """Per-request rows by label, and per-connection rows by the labels they carried."""
-    out = subprocess.run(
-        [sys.executable, "-m", "tracer", "analyze", str(capture), "--format", "json"],
-        capture_output=True,
-        check=True,
-        timeout=30,
-    )
-    doc = json.loads(out.stdout)
+    doc = analyze_json(capture)
     requests: dict[str, Any] = {}
     on_conn: dict[int, list[tuple[int, str]]] = defaultdict(list)
     for row in doc["requests"]:

@@ -6,8 +6,6 @@ import hashlib
 import json
 import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,8 @@ from tracer.bodies import (
     request_fields,
 )
 from tracer.capture import CaptureWriter, ReadStats, read_events, read_records
+
+from .conftest import analyze_json
 
 BODY = b'{"model":"m","stream":true,"max_tokens":7,"messages":[{"role":"user","content":"x"}]}'
 
@@ -247,12 +247,6 @@ def test_analyze_json_counts_lost_bodies_and_takes_a_capture_without_requests(
     empty.write_bytes(lines[0])
     path.write_bytes(lines[0] + lines[2])  # the second turn without the first
     for capture, lost in ((path, 1), (empty, 0)):
-        done = subprocess.run(
-            [sys.executable, "-m", "tracer", "analyze", str(capture), "--format", "json"],
-            capture_output=True,
-            check=True,
-            timeout=60,
-        )
-        result = json.loads(done.stdout)
+        result = analyze_json(capture)
         assert result["captures"][0]["bodies_unresolved"] == lost
         assert result["requests"] == [] and result["connections"] == []

@@ -307,27 +307,18 @@ class ConnectionObserver:
         silent = m - self.last_activity_m
         if req.stall_start_m is not None or silent < stall_after:
             return
-        direction: StallDirection
-        if client_blocked or (unsent is not None and unsent > 0 and req.status is not None):
-            direction = "client_not_reading"
-        elif not req.request_done and req.status is None:
-            direction = "client_silent"
-        else:
-            direction = "upstream_silent"
-        req.stall_start_m = self.last_activity_m
-        req.stall_direction = direction
+        direction = stall_direction(req, client_blocked=client_blocked, unsent=unsent)
         self._flush_body(req)  # the last bytes before the stall go on record first
         self._emit(
-            ev.Stall(
-                t=m + self._wall,
-                m=m,
+            start_stall(
+                req,
+                m,
+                self.last_activity_m,
+                direction,
+                unsent=unsent,
                 tap=self.tap,
                 conn=self.conn,
-                seq=req.seq,
-                phase="start",
-                direction=direction,
-                silent_for=round(silent, 6),
-                unsent_bytes=unsent,
+                wall=self._wall,
             )
         )
 
@@ -920,6 +911,46 @@ def response_end(
         close=close,
         mid_event=mid_event and termination != "complete",
         detail=detail,
+    )
+
+
+def stall_direction(
+    state: ResponseState[Any], *, client_blocked: bool, unsent: int | None
+) -> StallDirection:
+    """Whom a silent request waits for: a client that does not read (the tap's writes to
+    it blocked, or bytes unsent once a response has begun), a client that has not sent
+    all of its request, else the upstream."""
+    if client_blocked or (unsent is not None and unsent > 0 and state.status is not None):
+        return "client_not_reading"
+    if not state.request_done and state.status is None:
+        return "client_silent"
+    return "upstream_silent"
+
+
+def start_stall(
+    state: ResponseState[Any],
+    m: float,
+    since: float,
+    direction: StallDirection,
+    *,
+    unsent: int | None,
+    tap: str,
+    conn: int,
+    wall: float,
+) -> ev.Stall:
+    """The ``stall`` start record, the response marked stalled since ``since``."""
+    state.stall_start_m = since
+    state.stall_direction = direction
+    return ev.Stall(
+        t=m + wall,
+        m=m,
+        tap=tap,
+        conn=conn,
+        seq=state.seq,
+        phase="start",
+        direction=direction,
+        silent_for=round(m - since, 6),
+        unsent_bytes=unsent,
     )
 
 
