@@ -30,6 +30,8 @@ stream callable            ``body`` records, batched as the tap does (per piece:
                            when the batch is written)
 ``response`` / ``error``   ``response_end`` with the termination
 ``client_disconnected``    ``conn_close``
+``tls_failed_client`` /    ``anomaly`` on the connection (``client`` / ``upstream``): the
+``tls_failed_server``      TLS handshake failed, in mitmproxy's words
 a ticker (``running``)     ``stall`` start/end; flushes body batches
 ``done``                   ``response_end`` ``in_flight`` and ``conn_close`` for what is
                            open, then ``capture_end``
@@ -87,7 +89,7 @@ from typing import Any, Literal
 if importlib.util.find_spec("tracer") is None:  # a mitmdump without tracer installed
     sys.path.append(str(Path(__file__).resolve().parent.parent))
 
-from mitmproxy import connection, ctx, exceptions, http
+from mitmproxy import connection, ctx, exceptions, http, tls
 from mitmproxy import version as mitmproxy_version
 from mitmproxy.addonmanager import Loader
 from mitmproxy.flow import Error
@@ -131,6 +133,7 @@ _UPSTREAM_CUT = ("peer closed connection", "server closed connection")
 # proxy/layers/http/_http2.py: the same words whichever peer it speaks HTTP/2 with)
 _H2_RESET = "stream reset by client"
 _H2_ENDS = (_H2_RESET, "HTTP/2 connection closed", "HTTP/2 protocol error")
+TLS_FAILED = "TLS handshake failed: "  # an anomaly's error, then mitmproxy's reason
 _UNPARSED = ("HTTP/1 protocol error", "Cannot parse HTTP", "unexpected server response")
 
 
@@ -605,6 +608,33 @@ class TraceAddon:
                 addr=_addr(server.address),
                 error=server.error or "connect failed",
                 elapsed=round(now + self._wall - started, 6) if started else None,
+            )
+        )
+
+    def tls_failed_client(self, data: tls.TlsData) -> None:
+        self._tls_failed(data, "client")
+
+    def tls_failed_server(self, data: tls.TlsData) -> None:
+        self._tls_failed(data, "upstream")
+
+    def _tls_failed(self, data: tls.TlsData, direction: Literal["client", "upstream"]) -> None:
+        """A TLS handshake failed: no request can come (from the client) or go (to the
+        upstream) on it. mitmproxy's text says why, e.g. that the client does not trust
+        its certificate; the request that needed the upstream gets mitmproxy's 502."""
+        if self.writer is None:
+            return
+        now = time.monotonic()
+        conn = self._conn_of(data.context.client, now)
+        self._emit(
+            ev.Anomaly(
+                t=now + self._wall,
+                m=now,
+                tap=self.tap,
+                conn=conn.conn,
+                seq=None,
+                direction=direction,
+                error=f"{TLS_FAILED}{data.conn.error or 'no reason given'}",
+                offset=0,
             )
         )
 
@@ -1097,7 +1127,6 @@ class TraceAddon:
             return
         if st.resp_head_m is None and (flow.server_conn.error or not flow.server_conn.peername):
             # mitmproxy answered the client itself (its 502: the upstream is unreachable)
-            self._ended_by(conn, "tracer")
             st.status = 502
             self._emit(
                 ev.ResponseHead(
@@ -1116,6 +1145,7 @@ class TraceAddon:
                 )
             )
             self._end(st, m, "tracer_response", detail=msg)
+            self._ended_by(conn, "tracer")  # after the answer: nothing is left in flight
             return
         self._ended_by(conn, "upstream")
         if msg.startswith(_UNPARSED) and not any(s in msg for s in _UPSTREAM_CUT):

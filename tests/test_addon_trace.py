@@ -536,10 +536,13 @@ def test_unreachable_upstream_is_mitmproxys_own_502(tmp_path: Path) -> None:
         addon.request(flow)
         flow.error = Error(flow.server_conn.error)
         addon.error(flow)
+        addon.client_disconnected(flow.client_conn)
     head = records(path, "response")[0]
     assert head["status"] == 502 and head["by_tracer"] is True
     end = records(path, "response_end")[0]
     assert end["termination"] == "tracer_response" and end["status"] == 502
+    (close,) = records(path, "conn_close")
+    assert close["closed_by"] == "tracer" and close["in_flight"] is False  # 502 answered it
 
 
 def test_stalls_start_on_tick_and_end_with_the_next_bytes(tmp_path: Path) -> None:
@@ -680,8 +683,11 @@ def free_port() -> int:
 
 
 @asynccontextmanager
-async def mitmdump(upstream: str, tmp_path: Path, *options: str) -> AsyncIterator[tuple[str, Path]]:
-    """``mitmdump -s addons/trace.py --mode reverse:UPSTREAM``; yields its URL and capture."""
+async def mitmdump(
+    upstream: str | None, tmp_path: Path, *options: str
+) -> AsyncIterator[tuple[str, Path]]:
+    """``mitmdump -s addons/trace.py --mode reverse:UPSTREAM`` (None: mitmproxy's regular
+    mode, a forward proxy); yields its URL and capture."""
     port = free_port()
     capture = tmp_path / "mitm.jsonl"
     log_path = tmp_path / "mitmdump.log"
@@ -691,8 +697,7 @@ async def mitmdump(upstream: str, tmp_path: Path, *options: str) -> AsyncIterato
         "flow_detail=0",  # its log says when it listens; no line per flow
         "-s",
         "addons/trace.py",
-        "--mode",
-        f"reverse:{upstream}",
+        *(["--mode", f"reverse:{upstream}"] if upstream else []),
         "--listen-host",
         "127.0.0.1",
         "-p",

@@ -12,7 +12,16 @@ from anyio.abc import SocketAttribute, SocketStream
 
 from tracer import events as ev
 
-from .conftest import RawUpstream, UpConn, open_fds, recv_all, recv_until, running_tap, wait_until
+from .conftest import (
+    RawUpstream,
+    UpConn,
+    analyze_json,
+    open_fds,
+    recv_all,
+    recv_until,
+    running_tap,
+    wait_until,
+)
 from .test_relay_transparency import GET, OK_CL, POST, SSE_HEAD, _chunk
 
 pytestmark = pytest.mark.anyio
@@ -72,6 +81,11 @@ async def test_tls_on_plain_port_gets_400(tmp_path: Path) -> None:
         tg.cancel_scope.cancel()
     assert body.startswith(b"HTTP/1.1 400 Bad Request\r\n") and b"TLS handshake" in body
     assert upstream.conns == []  # nothing was forwarded
+    # the analysis blames the client: its connection never carried a request
+    doc = analyze_json(tap.capture)
+    (finding,) = doc["findings"]
+    assert (finding["kind"], finding["party"]) == ("client_connection_failed", "client")
+    assert "TLS" in finding["summary"] and doc["verdict"]["party"] == "client"
 
 
 async def test_client_that_sends_nothing(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ BUNCH_GAP = (0.030, 0.060)  # the delayed-ACK hold of a hop without TCP_NODELAY
 SPILL_ROWS = 4096  # finished rows held in memory before a sorted run goes to disk
 RECENT_ROWS = 1024  # finished rows that late events can still update
 FINISHED_KEYS = 16384  # keys of rows written out, remembered to ignore late events
+CLIENT_FAILURES_KEPT = 20  # client connections failed before a first request, quoted
 
 
 @dataclass(slots=True)
@@ -313,6 +314,10 @@ class Summary:
         self.probes: list[dict[str, Any]] = []
         self.faults: list[dict[str, Any]] = []
         self.marks: list[float] = []  # "the harness was seen hung" times
+        # client connections that failed before a first request (not HTTP, a failed TLS
+        # handshake): the first few, and how many in all
+        self.client_failures: list[dict[str, Any]] = []
+        self.client_failures_total = 0
         self.engine_urls: set[str] = set()
         self.health_urls: set[str] = set()
         self.request_taps: set[str] = set()  # taps that parsed at least one request
@@ -521,6 +526,8 @@ class Summary:
                 conn = self._conn(event.tap, event.conn)
                 if conn is not None:
                     conn.anomalies.append(f"{event.direction}: {event.error}")
+                    if event.direction == "client" and event.seq is None and not conn.requests:
+                        self._client_failed(event)
             case ev.CaptureStart():
                 self.taps.setdefault(
                     event.tap,
@@ -601,6 +608,13 @@ class Summary:
             self.requests.start(key, req)
         return req
 
+    def _client_failed(self, event: ev.Anomaly) -> None:
+        self.client_failures_total += 1
+        if len(self.client_failures) < CLIENT_FAILURES_KEPT:
+            self.client_failures.append(
+                {"t": event.t, "tap": event.tap, "conn": event.conn, "error": event.error}
+            )
+
     def _finish_request(self, key: RequestKey) -> None:
         written = self.requests.finish(key)
         if written is not None:
@@ -643,6 +657,8 @@ class Summary:
             end=self.last_t,
             request_taps=self.request_taps,
             sample_urls=self.engine_urls | self.health_urls,
+            client_failures=self.client_failures,
+            client_failures_total=self.client_failures_total,
         )
         findings, verdict = find(evidence)
         totals = _Totals()

@@ -71,6 +71,9 @@ class Evidence:
     end: float | None = None
     request_taps: set[str] | None = None  # taps with parsed requests, when known up front
     sample_urls: set[str] | None = None  # engine and health URLs, when known up front
+    # client connections that failed before a first request (the first few; the count)
+    client_failures: list[dict[str, Any]] = field(default_factory=list)
+    client_failures_total: int = 0
     # filled by ``find``: adjacent taps, client side first, with the median of t(b) - t(a)
     # over the requests both saw (clock offset plus the hop's transit time)
     tap_pairs: list[dict[str, Any]] = field(default_factory=list)
@@ -927,6 +930,38 @@ def analyze_client(ctx: Context) -> list[dict[str, Any]]:
     return out
 
 
+def analyze_client_connections(ctx: Context) -> list[dict[str, Any]]:
+    """Client connections that failed before a first request: bytes that are not HTTP
+    (a TLS handshake sent to a plain HTTP/1.1 tap), a failed TLS handshake with a proxy
+    that terminates TLS (a client that does not trust mitmproxy's certificate)."""
+    failures, total = ctx.e.client_failures, ctx.e.client_failures_total
+    if not failures:
+        return []
+    first = failures[0]
+    shown = 5
+    evidence = [
+        f"connection {f['tap']}/{f['conn']} at {_ts(f['t'])}: {f['error']}"
+        for f in failures[:shown]
+    ]
+    if total > shown:
+        evidence.append(f"... {total - shown} more such connection(s)")
+    finding = _finding(
+        "client_connection_failed",
+        "client",
+        f"A client connection failed before its first request: {first['error']}"
+        if total == 1
+        else f"{total} client connections failed before their first request; the first: "
+        f"{first['error']}",
+        [],
+        evidence,
+        [{"party": "engine", "why": "no request on these connections reached the upstream"}],
+        "high",
+        t=first["t"],
+    )
+    finding["connections"] = sorted({f"{f['tap']}/{f['conn']}" for f in failures})
+    return [finding]
+
+
 def analyze_upstream_endings(ctx: Context) -> list[dict[str, Any]]:
     """Truncations, errors, unreachable upstreams, stale-connection races."""
     out: list[dict[str, Any]] = []
@@ -1239,6 +1274,7 @@ def analyze_marks(ctx: Context) -> list[dict[str, Any]]:
 ANALYZERS = [
     analyze_request_hangs,
     analyze_client,
+    analyze_client_connections,
     analyze_upstream_endings,
     analyze_delivery,
     analyze_load,

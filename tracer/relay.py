@@ -67,13 +67,11 @@ from .faults import (
     Injected,
 )
 from .inject import RequestIdInjector
-from .sniff import Bodies, ConnectionObserver
+from .sniff import Bodies, ConnectionObserver, not_http
 
 log = structlog.get_logger("tracer.relay")
 
 READ_SIZE = 65536
-_TLS_HANDSHAKE = b"\x16\x03"
-_H2_PREFACE = b"PRI * HTTP/2.0"
 
 
 @dataclass
@@ -433,12 +431,8 @@ class _Relay:
 
     def _hold_for_upstream(self, data: bytes) -> None:
         """Client bytes before the upstream connection exists: hold them and connect."""
-        if (
-            not self.connecting
-            and not self.held
-            and (data.startswith(_TLS_HANDSHAKE) or data.startswith(_H2_PREFACE))
-        ):
-            what = "TLS handshake" if data.startswith(_TLS_HANDSHAKE) else "HTTP/2 preface"
+        what = None if self.connecting or self.held else not_http(data)
+        if what is not None:
             self._answer(400, "Bad Request", f"tracer: {what} on a plain HTTP/1.1 listener\n")
             return
         self.held.append(data)

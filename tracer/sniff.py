@@ -70,6 +70,16 @@ MAX_HELD_BYTES = 1024 * 1024  # client bytes held while a protocol switch is und
 StallDirection = Literal["upstream_silent", "client_not_reading", "client_silent"]
 
 
+def not_http(data: bytes) -> str | None:
+    """What a client's bytes are when they are not HTTP/1.x but something known: a TLS
+    handshake (an ``https://`` URL to a plain port) or the HTTP/2 preface."""
+    if data.startswith(b"\x16\x03"):
+        return "TLS handshake"
+    if data.startswith(b"PRI * HTTP/2.0"):
+        return "HTTP/2 preface"
+    return None
+
+
 class ResponseState[S]:
     """What a tap keeps about a response in flight, whatever tap follows it: the native
     observer's ``_Request`` and the mitmproxy addon's flow state extend it (``S``: how
@@ -370,6 +380,9 @@ class ConnectionObserver:
                 # seen first; the anomaly is recorded when the last of them ends.
                 self._deferred = (exc, m, self._client_offset())
             else:
+                what = not_http(data)
+                if what is not None:  # h11's words say less: "illegal request line"
+                    exc = h11.RemoteProtocolError(f"{what} on a plain HTTP/1.1 listener ({exc})")
                 self._go_blind("client", exc, m)
 
     def _pump_request(self, m: float) -> bytes:
