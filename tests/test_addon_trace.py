@@ -35,6 +35,7 @@ import httpx
 import pytest
 from mitmproxy import connection, exceptions, http
 from mitmproxy.flow import Error
+from mitmproxy.io import FlowReader
 from mitmproxy.net.http.http1 import connection_close
 
 from tracer import events as ev
@@ -851,3 +852,28 @@ async def test_parity_with_the_native_tap(tmp_path: Path) -> None:
     assert header["options"]["stall_after"] == 0.5
     assert _count(mitm_capture, "capture_end") == 1
     assert os.path.getsize(mitm_capture) > 0
+
+
+@pytest.mark.anyio
+async def test_flow_files_keep_streamed_bodies_when_asked(tmp_path: Path) -> None:
+    """The addon streams event-stream responses, and mitmproxy keeps no streamed body
+    (its web UI and flow files show them empty) unless ``store_streamed_bodies`` is set;
+    then the flow holds what the client got, and the capture is the same."""
+    flows = tmp_path / "flows"
+    options = ("-w", str(flows), "--set", "store_streamed_bodies=true")
+    async with engine_running(ttft=0.01, itl=0.004) as engine:
+        async with mitmdump(engine.url, tmp_path, *options) as (url, capture):
+            async with await anyio.connect_tcp("127.0.0.1", int(url.rsplit(":", 1)[1])) as s:
+                await s.send(
+                    chat_request(6, headers={"x-request-id": "kept", "connection": "close"})
+                )
+                data, _ = await recv_all(s, timeout=10)
+            await wait_until(lambda: _count(capture, "conn_close") >= 1, 10)
+    with open(flows, "rb") as f:
+        (flow,) = list(FlowReader(f).stream())
+    assert isinstance(flow, http.HTTPFlow) and flow.response is not None
+    body = flow.response.raw_content or b""
+    assert body.endswith(b"data: [DONE]\n\n") and data.count(b"data:") == body.count(b"data:")
+    (row,) = analyze_json(capture)["requests"]
+    assert (row["termination"], row["done"]) == ("complete", True)
+    assert row["events"] == body.count(b"data:")
