@@ -96,6 +96,7 @@ from mitmproxy.flow import Error
 from mitmproxy.proxy import server_hooks
 from mitmproxy.proxy.layer import NextLayer
 from mitmproxy.proxy.layers.http import HttpLayer
+from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
 from tracer import __version__
 from tracer import events as ev
@@ -481,15 +482,22 @@ class TraceAddon:
         opts = ctx.options
         now = time.monotonic()
         modes = list(opts.mode)
-        upstream = [m.split(":", 1)[1] for m in modes if m.startswith("reverse:")]
-        port = opts.listen_port
+        specs = [ProxyMode.parse(m) for m in modes]  # "reverse:URL@PORT": URL, PORT
+        # the server a reverse proxy sends to (replays go there); an upstream mode's next
+        # hop is a forward proxy, which origin-form requests cannot be replayed to
+        upstream = [m.data for m in specs if isinstance(m, ReverseMode)]
+        listen = [
+            f"{m.custom_listen_host or opts.listen_host or '*'}:"
+            f"{m.custom_listen_port or opts.listen_port or 'default'}"
+            for m in specs
+        ]
         return ev.CaptureStart(
             t=now + self._wall,
             m=now,
             tap=self.tap,
             tracer_version=__version__,
             kind="mitmproxy",
-            listen=f"{opts.listen_host or '*'}:{port if port is not None else 'default'}",
+            listen=", ".join(dict.fromkeys(listen)),
             upstream=", ".join(upstream) or None,
             options={
                 "stall_after": self.stall_after,

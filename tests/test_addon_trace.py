@@ -877,3 +877,16 @@ async def test_flow_files_keep_streamed_bodies_when_asked(tmp_path: Path) -> Non
     (row,) = analyze_json(capture)["requests"]
     assert (row["termination"], row["done"]) == ("complete", True)
     assert row["events"] == body.count(b"data:")
+
+
+def test_the_header_names_the_reverse_upstream_and_each_listen_address(tmp_path: Path) -> None:
+    """``reverse:URL@PORT`` is the URL and its own port (analysis matches the upstream's
+    host:port against the engine's, the report replays to it); an upstream mode's next
+    hop is a forward proxy, not an upstream to replay to."""
+    modes = ["reverse:http://127.0.0.1:30000@8081", "upstream:http://127.0.0.1:3128@8082"]
+    with addon_ctx(tmp_path, mode=modes, listen_host="127.0.0.1") as (_, path):
+        pass
+    (header,) = records(path, "capture_start")
+    assert header["upstream"] == "http://127.0.0.1:30000"
+    assert header["listen"] == "127.0.0.1:8081, 127.0.0.1:8082"
+    assert header["options"]["mode"] == modes
