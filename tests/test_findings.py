@@ -245,6 +245,41 @@ def test_hang_without_engine_evidence_is_unknown_and_says_how_to_settle() -> Non
     assert "--engine-metrics" in f["settle"]
 
 
+def test_client_connections_that_failed_are_listed_not_the_verdict_over_a_hang() -> None:
+    """Connections that never carried a request (a TLS handshake to the plain port, a
+    scanner) are a client finding of their own; the verdict stays with the request that
+    hung, however early they came."""
+    cap = Cap(upstream=PROXY)
+    for conn in (7, 8, 9):
+        cap._e(ev.ConnOpen, -0.5, conn=conn, peer="127.0.0.1:9", local="127.0.0.1:6")
+        cap._e(
+            ev.Anomaly,
+            -0.4,
+            conn=conn,
+            seq=None,
+            direction="client",
+            error="TLS handshake on a plain HTTP/1.1 listener (illegal request line)",
+            offset=0,
+        )
+    _hang_on_reuse(cap)
+    result = analyze(cap)
+    assert result["verdict"]["kind"] == "proxy_hung_on_reuse"
+    (failed,) = [f for f in result["findings"] if f["kind"] == "client_connection_failed"]
+    assert failed["party"] == "client" and failed["connections"] == [
+        "front/7",
+        "front/8",
+        "front/9",
+    ]
+    assert failed["summary"].startswith("3 client connections failed before their first")
+    assert failed["id"] == result["findings"][-1]["id"]
+    # alone, they are the verdict: nothing got through
+    alone = Cap(upstream=PROXY)
+    alone._e(ev.ConnOpen, 0.0, conn=1, peer="127.0.0.1:9", local="127.0.0.1:6")
+    alone._e(ev.Anomaly, 0.1, conn=1, seq=None, direction="client", error="TLS handshake", offset=0)
+    verdict = analyze(alone)["verdict"]
+    assert (verdict["party"], verdict["kind"]) == ("client", "client_connection_failed")
+
+
 def test_engine_wedged_mid_stream() -> None:
     cap = Cap(upstream=ROUTER)
     cap.health(0.0)

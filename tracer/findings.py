@@ -1271,6 +1271,11 @@ def analyze_marks(ctx: Context) -> list[dict[str, Any]]:
     return out
 
 
+# findings about connections that carried no request: listed, but the verdict only when
+# nothing went wrong with a request (a port scanner's failed TLS handshake must not
+# hide the stall that hung the harness)
+NO_REQUEST_KINDS = {"client_connection_failed"}
+
 ANALYZERS = [
     analyze_request_hangs,
     analyze_client,
@@ -1369,6 +1374,7 @@ def find(e: Evidence) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     findings.sort(
         key=lambda f: (
             f["note"],
+            f["kind"] in NO_REQUEST_KINDS,
             CONFIDENCE[f["confidence"]],
             f["party"] == "unknown",
             f["t"] if f["t"] is not None else 0.0,
