@@ -483,8 +483,9 @@ class TraceAddon:
         now = time.monotonic()
         modes = list(opts.mode)
         specs = [ProxyMode.parse(m) for m in modes]  # "reverse:URL@PORT": URL, PORT
-        # the server a reverse proxy sends to (replays go there); an upstream mode's next
-        # hop is a forward proxy, which origin-form requests cannot be replayed to
+        # the server a reverse proxy sends to (replays go there), when there is one: an
+        # upstream mode's next hop is a forward proxy, which origin-form requests cannot
+        # be replayed to, and with several reverse modes each connection has its own
         upstream = [m.data for m in specs if isinstance(m, ReverseMode)]
         listen = [
             f"{m.custom_listen_host or opts.listen_host or '*'}:"
@@ -498,7 +499,7 @@ class TraceAddon:
             tracer_version=__version__,
             kind="mitmproxy",
             listen=", ".join(dict.fromkeys(listen)),
-            upstream=", ".join(upstream) or None,
+            upstream=upstream[0] if len(upstream) == 1 else None,
             options={
                 "stall_after": self.stall_after,
                 "bodies": self.bodies,

@@ -890,3 +890,10 @@ def test_the_header_names_the_reverse_upstream_and_each_listen_address(tmp_path:
     assert header["upstream"] == "http://127.0.0.1:30000"
     assert header["listen"] == "127.0.0.1:8081, 127.0.0.1:8082"
     assert header["options"]["mode"] == modes
+    # two reverse proxies: no one upstream for the whole capture (each connection's
+    # upstream_connect says where it went)
+    modes = ["reverse:http://127.0.0.1:30000@8081", "reverse:http://127.0.0.1:30001@8082"]
+    with addon_ctx(tmp_path, mode=modes, listen_host="127.0.0.1") as (_, path):
+        pass
+    (header,) = records(path, "capture_start")
+    assert "upstream" not in header and header["options"]["mode"] == modes
