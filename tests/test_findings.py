@@ -17,7 +17,9 @@ ENGINE = "http://127.0.0.1:30000"
 class Cap:
     """Builds one tap's event stream."""
 
-    def __init__(self, tap: str = "front", upstream: str = PROXY, t0: float = 1000.0) -> None:
+    def __init__(
+        self, tap: str = "front", upstream: str | None = PROXY, t0: float = 1000.0
+    ) -> None:
         self.tap, self.t0 = tap, t0
         self.events: list[ev.Event] = [
             ev.CaptureStart(
@@ -278,6 +280,26 @@ def test_client_connections_that_failed_are_listed_not_the_verdict_over_a_hang()
     alone._e(ev.Anomaly, 0.1, conn=1, seq=None, direction="client", error="TLS handshake", offset=0)
     verdict = analyze(alone)["verdict"]
     assert (verdict["party"], verdict["kind"]) == ("client", "client_connection_failed")
+
+
+def test_a_forward_proxys_connections_say_where_they_went() -> None:
+    """A tap without one upstream (mitmproxy's regular mode) is placed by each
+    connection's own upstream: the router's address makes the hang the engine's."""
+    router = ROUTER.removeprefix("http://")
+
+    def hang(upstream: str | None) -> dict[str, Any]:
+        cap = Cap(upstream=None)
+        _hang_on_reuse(cap)
+        if upstream is not None:
+            for conn in (1, 2):
+                cap._e(ev.UpstreamConnect, -0.0005, conn=conn, phase="start", addr=upstream)
+        return analyze(cap)
+
+    assert hang(router)["verdict"]["party"] == "engine"
+    conns = {c["id"]: c for c in hang(router)["connections"]}
+    assert conns["front/1"]["upstream"] == router
+    assert hang("127.0.0.1:8001")["verdict"]["party"] == "proxy"  # a hop in between
+    assert hang(None)["verdict"]["party"] == "proxy"
 
 
 def test_engine_wedged_mid_stream() -> None:

@@ -106,6 +106,7 @@ class ConnectionRow:
     in_flight_at_close: bool | None = None
     bytes_from_client: int | None = None
     bytes_from_upstream: int | None = None
+    upstream: str | None = None  # host:port it connected to (the last, if several)
     upstream_local: str | None = None
     upstream_connect: float | None = None
     upstream_error: str | None = None
@@ -460,6 +461,7 @@ class Summary:
             case ev.UpstreamConnect():
                 conn = self._conn(event.tap, event.conn)
                 if conn is not None:
+                    conn.upstream = event.addr
                     if event.phase == "done":
                         conn.upstream_local = event.local
                         conn.upstream_connect = event.elapsed

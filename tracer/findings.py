@@ -300,6 +300,7 @@ class Context:
         self._fresh: dict[int, tuple[int, RequestRow | None]] | None = None
         self._joined: tuple[list[dict[str, RequestRow]], dict[str, dict[str, RequestRow]]] | None
         self._joined = None
+        self._serving_conns: set[tuple[str, int]] | None = None  # see upstream_is_serving
         self._scan()
         self.order = self._tap_order()
 
@@ -513,9 +514,21 @@ class Context:
 
     # -- queries -----------------------------------------------------------------------
 
-    def upstream_is_serving(self, tap: str) -> bool:
-        upstream = self.e.taps.get(tap, {}).get("upstream")
-        return bool(upstream) and _base(str(upstream)) in self.serving_hosts
+    def upstream_is_serving(self, r: RequestRow) -> bool:
+        """Whether the hop after the request's tap is the serving stack: the tap's
+        upstream, or for a tap without one (a forward proxy: mitmproxy's regular mode)
+        the address its connection went to."""
+        upstream = self.e.taps.get(r.tap, {}).get("upstream")
+        if upstream:
+            return _base(str(upstream)) in self.serving_hosts
+        if self._serving_conns is None:
+            self._serving_conns = {
+                (c.tap, c.conn)
+                for c in self.e.connections
+                if c.upstream in self.serving_hosts
+                and not self.e.taps.get(c.tap, {}).get("upstream")
+            }
+        return (r.tap, r.conn) in self._serving_conns
 
     def _engine_between(self, lo: float, hi: float) -> Iterable[dict[str, Any]]:
         if isinstance(self.e.engine, ChunkLog):
@@ -791,7 +804,7 @@ def analyze_request_hangs(ctx: Context) -> list[dict[str, Any]]:
                     )
                 )
                 continue
-            serving = ctx.upstream_is_serving(r.tap)
+            serving = ctx.upstream_is_serving(r)
             answered = bool(fresh_ok or fresh)
             kind = "proxy_hung_on_reuse" if r.reused else "proxy_swallowed_request"
             party = "engine" if serving else "proxy"
@@ -833,9 +846,9 @@ def analyze_request_hangs(ctx: Context) -> list[dict[str, Any]]:
             out.append(
                 _finding(
                     "proxy_held_stream"
-                    if not ctx.upstream_is_serving(r.tap)
+                    if not ctx.upstream_is_serving(r)
                     else "engine_stall_mid_stream",
-                    "proxy" if not ctx.upstream_is_serving(r.tap) else "engine",
+                    "proxy" if not ctx.upstream_is_serving(r) else "engine",
                     "Tokens were generated while none reached the tap.",
                     [r],
                     evidence,
@@ -968,7 +981,7 @@ def analyze_upstream_endings(ctx: Context) -> list[dict[str, Any]]:
     for r in ctx.interesting:
         if not r.method:
             continue
-        serving = ctx.upstream_is_serving(r.tap)
+        serving = ctx.upstream_is_serving(r)
         hop = "engine" if serving else "unknown"
         evidence = [_req_quote(r), _outcome_quote(r), *_injected(ctx, r)]
         if r.by_tracer and r.status == 502:
@@ -1105,7 +1118,7 @@ def analyze_delivery(ctx: Context) -> list[dict[str, Any]]:
             out.append(
                 _finding(
                     "delivery_coalesced",
-                    "proxy" if not ctx.upstream_is_serving(r.tap) else "engine",
+                    "proxy" if not ctx.upstream_is_serving(r) else "engine",
                     f"Events arrived in bunches about 40 ms apart (a hop upstream of tap "
                     f"{r.tap} without TCP_NODELAY meeting a delayed ACK).",
                     [r],
@@ -1121,7 +1134,7 @@ def analyze_delivery(ctx: Context) -> list[dict[str, Any]]:
             )
         else:
             view = ctx.engine_view(r.start, r.end or r.last_event)
-            party = "proxy" if view.tokens and not ctx.upstream_is_serving(r.tap) else "unknown"
+            party = "proxy" if view.tokens and not ctx.upstream_is_serving(r) else "unknown"
             out.append(
                 _finding(
                     "buffered_response",
