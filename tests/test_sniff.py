@@ -889,6 +889,7 @@ def test_tls_on_plain_listener_then_tracer_400(split: str) -> None:
     events, obs = play([("c", 100.1, raw), ("tracer", 100.1, 400, "Bad Request")], split)
     anomaly = one(events, ev.Anomaly)
     assert anomaly.direction == "client" and anomaly.offset == 0 and anomaly.seq is None
+    assert anomaly.error.startswith("TLS handshake on a plain HTTP/1.1 listener")
     head = one(events, ev.ResponseHead)
     assert head.by_tracer and head.status == 400 and head.seq == 1
     end = one(events, ev.ResponseEnd)

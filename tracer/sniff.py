@@ -72,8 +72,9 @@ StallDirection = Literal["upstream_silent", "client_not_reading", "client_silent
 
 def not_http(data: bytes) -> str | None:
     """What a client's bytes are when they are not HTTP/1.x but something known: a TLS
-    handshake (an ``https://`` URL to a plain port) or the HTTP/2 preface."""
-    if data.startswith(b"\x16\x03"):
+    handshake (an ``https://`` URL to a plain port: a record of type 22, version 3.x; its
+    first byte alone already is no HTTP) or the HTTP/2 preface."""
+    if data and b"\x16\x03".startswith(data[:2]):
         return "TLS handshake"
     if data.startswith(b"PRI * HTTP/2.0"):
         return "HTTP/2 preface"
@@ -380,7 +381,8 @@ class ConnectionObserver:
                 # seen first; the anomaly is recorded when the last of them ends.
                 self._deferred = (exc, m, self._client_offset())
             else:
-                what = not_http(data)
+                unparsed = self._req.trailing_data[0] if self._req is not None else data
+                what = not_http(unparsed)
                 if what is not None:  # h11's words say less: "illegal request line"
                     exc = h11.RemoteProtocolError(f"{what} on a plain HTTP/1.1 listener ({exc})")
                 self._go_blind("client", exc, m)
