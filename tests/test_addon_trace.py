@@ -738,6 +738,17 @@ def _count(path: Path, kind: str) -> int:
 CONNECTIONS = 5  # two harness sessions, one keep-alive client, a truncation, an abort
 
 
+async def stream_chat(
+    client: httpx.AsyncClient, body: dict[str, Any], rid: str, fault: str
+) -> tuple[int, bytes]:
+    """One streamed chat completion, with the simulated engine's fault switch; its status
+    and body."""
+    headers = {"x-request-id": rid, "x-sim-fault": fault}
+    async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
+        data = b"".join([chunk async for chunk in resp.aiter_bytes()])
+    return resp.status_code, data
+
+
 async def scenario(url: str, all_closed: Callable[[], Awaitable[None]]) -> None:
     """The same traffic for each tap; returns when the tap has seen every connection end."""
     report = await run_harness(
@@ -756,12 +767,8 @@ async def scenario(url: str, all_closed: Callable[[], Awaitable[None]]) -> None:
             ("keep-2", "stall:after=2:for=1.2"),
             ("keep-3", "none"),
         ):
-            headers = {"x-request-id": rid, "x-sim-fault": fault}
-            async with client.stream(
-                "POST", "/v1/chat/completions", json=body, headers=headers
-            ) as resp:
-                data = b"".join([chunk async for chunk in resp.aiter_bytes()])
-            assert resp.status_code == 200 and data.endswith(b"data: [DONE]\n\n")
+            status, data = await stream_chat(client, body, rid, fault)
+            assert status == 200 and data.endswith(b"data: [DONE]\n\n")
     port = int(url.rsplit(":", 1)[1])
     async with await anyio.connect_tcp("127.0.0.1", port) as s:  # the upstream cuts it
         await s.send(
@@ -897,3 +904,44 @@ def test_the_header_names_the_reverse_upstream_and_each_listen_address(tmp_path:
         pass
     (header,) = records(path, "capture_start")
     assert "upstream" not in header and header["options"]["mode"] == modes
+
+
+@pytest.mark.anyio
+async def test_the_addon_in_front_of_the_native_tap_tells_each_failure_once(tmp_path: Path) -> None:
+    """mitmproxy with the addon in front of a native tap, in front of the engine: the two
+    captures join request by request, and a stall and a cut by the engine, seen the same
+    at both taps, are one finding each, the native tap's, naming both requests."""
+    body = {
+        "model": "sim-model",
+        "max_tokens": 6,
+        "stream": True,
+        "messages": [{"role": "user", "content": "two taps"}],
+    }
+    async with engine_running(ttft=0.01, itl=0.004) as engine:
+        async with running_tap(engine.bound[1], tmp_path, name="back", stall_after=0.5) as tap:
+            options = ("--set", "tracer_tap=front", "--set", "tracer_stall_after=0.5")
+            async with mitmdump(tap.url, tmp_path, *options) as (url, front):
+                async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+                    for rid, fault in (
+                        ("ok", "none"),
+                        ("stalled", "stall:after=2:for=1.2"),
+                        ("cut", "close:after=2"),
+                    ):
+                        with contextlib.suppress(httpx.HTTPError):
+                            await stream_chat(client, body, rid, fault)
+                await wait_until(lambda: _count(front, "response_end") >= 3, 10)
+            await wait_until(lambda: len(tap.of(ev.ResponseEnd)) >= 3, 10)
+    doc = analyze_json(front, tap.capture)
+    (pair,) = doc["evidence"]["tap_pairs"]
+    assert (pair["from"], pair["to"], pair["shared"]) == ("front", "back", 3)
+    rows = {(r["tap"], r["request_id"]): r for r in doc["requests"]}
+    faults = [f for f in doc["findings"] if not f["note"]]
+    by_id = {r["id"]: key for key, r in rows.items()}
+    told = sorted(sorted(by_id[i] for i in f["requests"]) for f in faults)
+    assert told == [
+        [("back", "cut"), ("front", "cut")],
+        [("back", "stalled"), ("front", "stalled")],
+    ]
+    for f in faults:
+        assert f["requests"][0].startswith("back/")  # the tap nearest the engine tells it
+        assert any(e.startswith("the same at tap front: ") for e in f["evidence"])

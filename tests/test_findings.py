@@ -363,6 +363,37 @@ def test_two_taps_place_the_hang_between_them() -> None:
     assert "between tap front and tap back" in v["summary"]
 
 
+def test_a_failure_seen_the_same_at_every_tap_is_one_finding_from_the_nearest() -> None:
+    """Cut by the engine and stalled by it, seen the same through the tap in front: one
+    finding each, the back tap's (which knows its upstream is the router), naming the
+    request at both taps; the front tap's "somewhere upstream" findings go."""
+    front = Cap("front", upstream=PROXY)
+    back = Cap("back", upstream=ROUTER, t0=1000.0)
+    back.health(0.0)
+    for cap, lag in ((front, 0.0), (back, 0.002)):
+        cap.exchange(1, 1, 1.0 + lag, rid="ok")
+        cap.exchange(1, 2, 2.0 + lag, rid="cut", idle=0.5, events=3, end="truncated")
+        cap.exchange(2, 1, 3.0 + lag, rid="stalled")
+        cap.stall(2, 1, 3.0 + lag, 9.0 + lag)
+        # a stall the hop between added: seen in front only, told on its own
+        cap.exchange(3, 1, 10.0 + lag, rid="held")
+    front.stall(3, 1, 10.0, 16.0)
+    result = analyze(front, back)
+    by_request = {tuple(f["requests"]): f for f in result["findings"]}
+    cut = by_request[("back/1/2", "front/1/2")]
+    assert (cut["kind"], cut["party"]) == ("engine_truncated", "engine")
+    assert any(e.startswith("the same at tap front: ") for e in cut["evidence"])
+    assert cut["connections"] == ["back/1", "front/1"]
+    stalled = by_request[("back/2/1", "front/2/1")]
+    assert stalled["kind"] == "upstream_silent"
+    assert ("front/3/1",) in by_request  # not the same at the back: not folded
+    assert sorted(by_request) == [
+        ("back/1/2", "front/1/2"),
+        ("back/2/1", "front/2/1"),
+        ("front/3/1",),
+    ]
+
+
 def test_client_not_reading_and_bare_abort() -> None:
     cap = Cap()
     cap.exchange(1, 1, 0.0, events=3, end="client_abort")

@@ -1307,11 +1307,15 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
     rank = {tap: i for i, tap in enumerate(ctx.order)}
     replaced: set[str] = set()
     extra: list[dict[str, Any]] = []
+    folded: dict[str, list[RequestRow]] = {}  # a request's id -> the same request in front
     for seen in ctx.joined():
         taps = sorted(seen, key=lambda t: rank.get(t, 0))
         front = seen[taps[0]]
         window = _hang_window(front, ctx.e.end)
-        if window is None and front.termination == "complete":
+        if window is None and front.termination == "complete" and not front.stalls:
+            continue
+        if len(taps) > 1 and all(_same_failure(seen[t], seen[taps[-1]]) for t in taps[:-1]):
+            folded[seen[taps[-1]].id] = [seen[t] for t in taps[:-1]]
             continue
         last = taps[-1]
         if len(taps) < len(ctx.order):  # never reached the taps behind
@@ -1373,7 +1377,44 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
             )
             replaced.update({front.id, back.id})
     kept = [f for f in findings if not (set(f["requests"]) & replaced)]
-    return kept + extra
+    return _fold(kept, folded) + extra
+
+
+def _same_failure(front: RequestRow, back: RequestRow) -> bool:
+    """The request failed in front as it did behind: the same end, the same status, the
+    same stalls (the taps in front only passed on what came to them)."""
+    return (
+        front.termination == back.termination
+        and front.status == back.status
+        and front.done == back.done
+        and [s["direction"] for s in front.stalls] == [s["direction"] for s in back.stalls]
+    )
+
+
+def _fold(
+    findings: list[dict[str, Any]], folded: dict[str, list[RequestRow]]
+) -> list[dict[str, Any]]:
+    """A failure seen the same at every tap is told once, by the finding at the tap nearest
+    the engine, which names the request at the others too; their own findings, which
+    could only say "upstream of me", go."""
+    behind = {r.id: back for back, fronts in folded.items() for r in fronts}
+    told = {rid for f in findings if not f["note"] for rid in f["requests"] if rid in folded}
+    out = []
+    for f in findings:
+        ids = f["requests"]
+        if not f["note"] and ids and all(behind.get(i) in told for i in ids):
+            continue
+        if not f["note"]:
+            for rid in [i for i in ids if i in folded]:
+                for r in folded[rid]:
+                    if r.id not in ids:
+                        ids.append(r.id)
+                        f["connections"] = sorted({*f["connections"], f"{r.tap}/{r.conn}"})
+                        f["evidence"].append(
+                            f"the same at tap {r.tap}: {_req_quote(r)}; {_outcome_quote(r)}"
+                        )
+        out.append(f)
+    return out
 
 
 def find(e: Evidence) -> tuple[list[dict[str, Any]], dict[str, Any]]:
