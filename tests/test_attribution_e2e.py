@@ -296,6 +296,27 @@ async def test_a_hop_that_cuts_the_stream_between_two_taps(tmp_path: Path) -> No
     assert [r["party"] for r in v["ruled_out"]] == ["engine"]
 
 
+async def test_a_hop_that_holds_a_stream_between_two_taps(tmp_path: Path) -> None:
+    """The hop stops relaying after 3 events for 2 s; the tap behind it got the whole
+    stream without a gap, the tap in front nothing for 2 s: the hop, with no engine
+    metrics needed."""
+    front, back = tmp_path / "front.jsonl", tmp_path / "back.jsonl"
+    async with engine_running(ttft=0.0, itl=0.01) as sim:
+        async with taps_around(
+            sim.url, "stall-after-events:3:2", front, back, front_args=["--stall-after", "0.5"]
+        ) as (url, _):
+            async with httpx.AsyncClient(timeout=5) as client:
+                await _stream(client, url, None)
+    result = await analyze_many(front, back)
+    v = result["verdict"]
+    assert (v["party"], v["kind"], v["confidence"]) == ("proxy", "proxy_held_stream", "high"), (
+        result["findings"]
+    )
+    assert {r["party"] for r in v["ruled_out"]} == {"engine", "client"}
+    (finding,) = [f for f in result["findings"] if not f["note"]]
+    assert sorted(finding["requests"]) == ["back/1/1", "front/1/1"]
+
+
 async def test_a_hop_that_swallows_a_fresh_request(tmp_path: Path) -> None:
     front, back = tmp_path / "front.jsonl", tmp_path / "back.jsonl"
     async with engine_running(ttft=0.0, itl=0.01) as sim:

@@ -102,6 +102,7 @@ class Cap:
             events=events,
             done=end == "complete",
             first_token=ttfb if events and ttfb is not None else None,
+            max_gap=itl if events > 1 else None,
             finish_reason="stop" if end == "complete" and not error else None,
             error=error,
         )
@@ -375,7 +376,7 @@ def test_a_failure_seen_the_same_at_every_tap_is_one_finding_from_the_nearest() 
         cap.exchange(1, 2, 2.0 + lag, rid="cut", idle=0.5, events=3, end="truncated")
         cap.exchange(2, 1, 3.0 + lag, rid="stalled")
         cap.stall(2, 1, 3.0 + lag, 9.0 + lag)
-        # a stall the hop between added: seen in front only, told on its own
+        # a stall the hop between added: seen in front only
         cap.exchange(3, 1, 10.0 + lag, rid="held")
     front.stall(3, 1, 10.0, 16.0)
     result = analyze(front, back)
@@ -386,11 +387,19 @@ def test_a_failure_seen_the_same_at_every_tap_is_one_finding_from_the_nearest() 
     assert cut["connections"] == ["back/1", "front/1"]
     stalled = by_request[("back/2/1", "front/2/1")]
     assert stalled["kind"] == "upstream_silent"
-    assert ("front/3/1",) in by_request  # not the same at the back: not folded
+    # silent in front, flowing behind: the hop between held it
+    held = by_request[("front/3/1", "back/3/1")]
+    assert (held["kind"], held["party"], held["confidence"]) == (
+        "proxy_held_stream",
+        "proxy",
+        "high",
+    )
+    assert held["summary"].startswith("Tap front got nothing for 6 s while tap back received")
+    assert {r["party"] for r in held["ruled_out"]} == {"engine", "client"}
     assert sorted(by_request) == [
         ("back/1/2", "front/1/2"),
         ("back/2/1", "front/2/1"),
-        ("front/3/1",),
+        ("front/3/1", "back/3/1"),
     ]
 
 

@@ -1359,6 +1359,11 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
                 )
                 replaced.update(seen[t].id for t in taps)
                 continue
+        held = _held_between([seen[t] for t in taps])
+        if held is not None:
+            extra.append(held)
+            replaced.update(seen[t].id for t in taps)
+            continue
         back = seen[taps[-1]]
         # the stream was whole (or still flowing: the hop then closed that side too) behind
         # the hop, and cut in front of it
@@ -1378,6 +1383,52 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
             replaced.update({front.id, back.id})
     kept = [f for f in findings if not (set(f["requests"]) & replaced)]
     return _fold(kept, folded) + extra
+
+
+def _held_between(rows: list[RequestRow]) -> dict[str, Any] | None:
+    """A stream silent at one tap for longer than any gap at the next one toward the
+    engine, which was receiving it when the silence began and saw no such silence: the
+    bytes came that far and the hop between the two held them (a buffering or stuck
+    proxy). "When the silence began" is read within ``JOIN_SLACK`` (the taps' clocks may
+    differ), and not through the pair's median delay: a request joined to the wrong one
+    (its body sent again after a first attempt that a hop dropped: fingerprints are
+    paired by their count at each tap) makes that delay itself."""
+    for front, back in itertools.pairwise(rows):
+        silent = next((s for s in front.stalls if s["direction"] == "upstream_silent"), None)
+        if (
+            silent is None
+            or silent["duration"] is None
+            or back.ttfb is None
+            or back.max_gap is None
+            or back.max_gap >= silent["duration"]
+            or any(s["direction"] == "upstream_silent" for s in back.stalls)
+            or back.start > silent["start"] + JOIN_SLACK
+            or (back.end is not None and back.end < silent["start"] - JOIN_SLACK)
+        ):
+            continue
+        return _finding(
+            "proxy_held_stream",
+            "proxy",
+            f"Tap {front.tap} got nothing for {silent['duration']:.3g} s while tap {back.tap} "
+            f"received the stream with no gap over {back.max_gap:.3g} s: the hop between "
+            "them held it.",
+            [front, back],
+            [
+                _req_quote(front),
+                f"stall t={silent['start']:.3f} upstream_silent for {silent['duration']:.3g} s "
+                f"at tap {front.tap}",
+                _outcome_quote(front),
+                f"the same at tap {back.tap}: {_req_quote(back)}; {_outcome_quote(back)}; "
+                f"longest gap {back.max_gap:.3g} s, no stall",
+            ],
+            [
+                {"party": "engine", "why": f"the bytes reached tap {back.tap} in time"},
+                {"party": "client", "why": f"tap {front.tap} had nothing to send it"},
+            ],
+            "high",
+            t=silent["start"],
+        )
+    return None
 
 
 def _same_failure(front: RequestRow, back: RequestRow) -> bool:
