@@ -224,6 +224,8 @@ async def test_failed_tls_handshakes_are_named(tmp_path: Path) -> None:
     assert failed["party"] == "client"
     assert failed["connections"] == [f"mitm/{untrusted[0]['conn']}"]
     assert "TLS handshake failed" in failed["summary"]
-    assert "upstream_unreachable" in by_kind
+    unreachable = by_kind["upstream_unreachable"]
+    assert unreachable["summary"] == "The tap's TLS handshake with its upstream failed."
+    assert "does the upstream speak TLS" in unreachable["settle"]
     (row,) = doc["requests"]
     assert (row["request_id"], row["status"]) == ("no-tls", 502)

@@ -985,18 +985,26 @@ def analyze_upstream_endings(ctx: Context) -> list[dict[str, Any]]:
         hop = "engine" if serving else "unknown"
         evidence = [_req_quote(r), _outcome_quote(r), *_injected(ctx, r)]
         if r.by_tracer and r.status == 502:
+            tls = _tls_words(r.detail)
             out.append(
                 _finding(
                     "upstream_unreachable",
                     "engine" if serving else "unknown",
-                    "The tap could not connect to its upstream.",
+                    "The tap's TLS handshake with its upstream failed."
+                    if tls
+                    else "The tap could not connect to its upstream.",
                     [r],
                     [*evidence, f"the tap's connect to its upstream failed: {r.detail}"]
                     if r.detail
                     else evidence,
                     [{"party": "client", "why": "the request reached the tap"}],
                     "high",
-                    settle=None if serving else "is the tap's upstream a proxy or the router?",
+                    settle="does the upstream speak TLS (an https:// URL to a plain HTTP port, "
+                    "or the reverse), and is its certificate trusted by the proxy?"
+                    if tls
+                    else None
+                    if serving
+                    else "is the tap's upstream a proxy or the router?",
                 )
             )
             continue
@@ -1429,6 +1437,13 @@ def _held_between(rows: list[RequestRow]) -> dict[str, Any] | None:
             t=silent["start"],
         )
     return None
+
+
+def _tls_words(detail: str | None) -> bool:
+    """A connect failure in TLS's words (mitmproxy's: "The remote server does not speak
+    TLS.", "Certificate verify failed: …", "TLS handshake failed: …")."""
+    text = (detail or "").lower()
+    return "tls" in text or "certificate" in text or "ssl" in text
 
 
 def _same_failure(front: RequestRow, back: RequestRow) -> bool:
