@@ -229,3 +229,29 @@ async def test_failed_tls_handshakes_are_named(tmp_path: Path) -> None:
     assert "does the upstream speak TLS" in unreachable["settle"]
     (row,) = doc["requests"]
     assert (row["request_id"], row["status"]) == ("no-tls", 502)
+
+
+@pytest.mark.anyio
+async def test_an_untrusted_upstream_certificate_is_named(tmp_path: Path) -> None:
+    """Reverse mode to an HTTPS engine whose certificate mitmproxy does not trust (no
+    ``ssl_insecure``): mitmproxy answers 502, the capture says why, and the finding says
+    that it was the TLS handshake with the upstream."""
+    async with (
+        engine_running(ttft=0.01, itl=0.01) as engine,
+        tls_front(engine.bound[1], tmp_path) as port,
+        mitmdump(f"https://127.0.0.1:{port}", tmp_path, *OPTIONS) as (url, capture),
+    ):
+        async with httpx.AsyncClient(timeout=10) as http:
+            answer = await http.get(f"{url}/v1/models", headers={"x-request-id": "untrusted"})
+        assert answer.status_code == 502
+        await wait_until(lambda: _count(capture, "conn_close") >= 1, 10)
+    records = list(read_records(capture))
+    (anomaly,) = [r for r in records if r["type"] == "anomaly"]
+    assert anomaly["direction"] == "upstream"
+    assert anomaly["error"].startswith("TLS handshake failed: ")
+    assert "certificate" in anomaly["error"].lower()
+    doc = analyze_json(capture)
+    (finding,) = doc["findings"]
+    assert finding["kind"] == "upstream_unreachable"
+    assert finding["summary"] == "The tap's TLS handshake with its upstream failed."
+    assert doc["requests"][0]["termination"] == "tracer_response"
