@@ -367,7 +367,8 @@ def test_two_taps_place_the_hang_between_them() -> None:
 def test_a_failure_seen_the_same_at_every_tap_is_one_finding_from_the_nearest() -> None:
     """Cut by the engine and stalled by it, seen the same through the tap in front: one
     finding each, the back tap's (which knows its upstream is the router), naming the
-    request at both taps; the front tap's "somewhere upstream" findings go."""
+    request at both taps; the front tap's "somewhere upstream" findings go. What the
+    client did is told by the front tap."""
     front = Cap("front", upstream=PROXY)
     back = Cap("back", upstream=ROUTER, t0=1000.0)
     back.health(0.0)
@@ -378,6 +379,10 @@ def test_a_failure_seen_the_same_at_every_tap_is_one_finding_from_the_nearest() 
         cap.stall(2, 1, 3.0 + lag, 9.0 + lag)
         # a stall the hop between added: seen in front only
         cap.exchange(3, 1, 10.0 + lag, rid="held")
+        # the client's doing, seen the same at both: told by the tap nearest the client
+        cap.exchange(4, 1, 20.0 + lag, rid="gone", events=3, end="client_abort")
+        cap.exchange(5, 1, 22.0 + lag, rid="slow")
+        cap.stall(5, 1, 22.0 + lag, 28.0 + lag, direction="client_not_reading")
     front.stall(3, 1, 10.0, 16.0)
     result = analyze(front, back)
     by_request = {tuple(f["requests"]): f for f in result["findings"]}
@@ -396,10 +401,14 @@ def test_a_failure_seen_the_same_at_every_tap_is_one_finding_from_the_nearest() 
     )
     assert held["summary"].startswith("Tap front got nothing for 6 s while tap back received")
     assert {r["party"] for r in held["ruled_out"]} == {"engine", "client"}
+    assert by_request[("front/4/1", "back/4/1")]["kind"] == "client_abort"
+    assert by_request[("front/5/1", "back/5/1")]["kind"] == "client_not_reading"
     assert sorted(by_request) == [
         ("back/1/2", "front/1/2"),
         ("back/2/1", "front/2/1"),
         ("front/3/1", "back/3/1"),
+        ("front/4/1", "back/4/1"),
+        ("front/5/1", "back/5/1"),
     ]
 
 

@@ -268,7 +268,7 @@ class _Group:
 
 
 def _relevant_at_front(r: RequestRow, end: float | None) -> bool:
-    return _hang_window(r, end) is not None or r.termination != "complete"
+    return _hang_window(r, end) is not None or r.termination != "complete" or bool(r.stalls)
 
 
 class Context:
@@ -1323,7 +1323,9 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
         if window is None and front.termination == "complete" and not front.stalls:
             continue
         if len(taps) > 1 and all(_same_failure(seen[t], seen[taps[-1]]) for t in taps[:-1]):
-            folded[seen[taps[-1]].id] = [seen[t] for t in taps[:-1]]
+            # told by the tap nearest the side it came from
+            teller = taps[0] if _client_side(front) else taps[-1]
+            folded[seen[teller].id] = [seen[t] for t in taps if t != teller]
             continue
         last = taps[-1]
         if len(taps) < len(ctx.order):  # never reached the taps behind
@@ -1446,6 +1448,16 @@ def _tls_words(detail: str | None) -> bool:
     return "tls" in text or "certificate" in text or "ssl" in text
 
 
+def _client_side(r: RequestRow) -> bool:
+    """A failure that came from the client's side: it gave up, or stopped reading or
+    sending, with the upstream not silent."""
+    directions = {s["direction"] for s in r.stalls}
+    return "upstream_silent" not in directions and (
+        r.termination == "client_abort"
+        or bool(directions & {"client_not_reading", "client_silent"})
+    )
+
+
 def _same_failure(front: RequestRow, back: RequestRow) -> bool:
     """The request failed in front as it did behind: the same end, the same status, the
     same stalls (the taps in front only passed on what came to them)."""
@@ -1461,8 +1473,9 @@ def _fold(
     findings: list[dict[str, Any]], folded: dict[str, list[RequestRow]]
 ) -> list[dict[str, Any]]:
     """A failure seen the same at every tap is told once, by the finding at the tap nearest
-    the engine, which names the request at the others too; their own findings, which
-    could only say "upstream of me", go."""
+    the side it came from (the engine's, or the client's), which names the request at
+    the others too; their own findings, which could only say "upstream of me" (or "my
+    client", of a proxy), go."""
     behind = {r.id: back for back, fronts in folded.items() for r in fronts}
     told = {rid for f in findings if not f["note"] for rid in f["requests"] if rid in folded}
     out = []
