@@ -45,6 +45,7 @@ class Cap:
         end: str | None = "complete",
         error: str | None = None,
         status: int = 200,
+        headers: list[list[str]] | None = None,
     ) -> None:
         if conn not in self._opened:
             self._opened.add(conn)
@@ -58,7 +59,7 @@ class Cap:
             method="POST",
             target="/v1/chat/completions",
             version="1.1",
-            headers=[],
+            headers=headers or [],
             request_id=rid,
         )
         self._e(ev.RequestEnd, t, conn=conn, seq=seq, complete=True, body_bytes=10, body_sha256="x")
@@ -508,6 +509,34 @@ def _bunched_cap(tap: str, t: float) -> Cap:
     cap = Cap(tap, upstream=ROUTER)
     _bunched(cap, t, bunched=True)
     return cap
+
+
+def test_an_sdk_retry_without_request_ids_is_joined_to_its_own_attempt() -> None:
+    """No x-request-id: requests join by method, target and body, counted at each tap.
+    The openai SDK sends a hung request again, the same body on a fresh connection; its
+    retry count tells the attempts apart, so the first attempt is the one the next tap
+    never saw (the retry is not taken for it arriving 5 s late)."""
+
+    def attempt(n: int) -> list[list[str]]:
+        return [["X-Stainless-Retry-Count", str(n)]]
+
+    front = Cap("front", upstream=PROXY)
+    back = Cap("back", upstream=ROUTER, t0=1000.0)
+    for seq in (1, 2):
+        front.exchange(1, seq, seq * 1.0, idle=0.5, headers=attempt(0))
+        back.exchange(1, seq, seq * 1.0 + 0.002, idle=0.5, headers=attempt(0))
+    front.exchange(1, 3, 3.0, idle=0.5, end="client_abort", headers=attempt(0))
+    front.stall(1, 3, 3.0, 8.0)
+    front.exchange(2, 1, 8.1, headers=attempt(1))
+    back.exchange(2, 1, 8.102, headers=attempt(1))
+    result = analyze(front, back)
+    v = result["verdict"]
+    assert (v["party"], v["kind"]) == ("proxy", "proxy_hung_on_reuse"), result["findings"]
+    assert "between tap front and tap back" in v["summary"]
+    (pair,) = result["evidence"]["tap_pairs"]
+    assert (pair["shared"], pair["median_delay"]) == (3, 0.002)
+    rows = {r["id"]: r for r in result["requests"]}
+    assert rows["front/1/3"]["retry_count"] == 0 and rows["front/2/1"]["retry_count"] == 1
 
 
 def test_a_retry_with_the_same_id_is_another_request() -> None:

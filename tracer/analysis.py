@@ -49,6 +49,7 @@ class RequestRow:
     method: str
     target: str
     request_id: str | None = None
+    retry_count: int | None = None  # x-stainless-retry-count: the SDK's attempt, from 0
     version: str | None = None  # HTTP version of the request: 1.1, 1.0, 2.0 (mitmproxy's)
     model: str | None = None
     stream: bool | None = None
@@ -129,6 +130,21 @@ def connection_order(c: ConnectionRow) -> tuple[str, float, int]:
 
 _REQUEST_VALUES = operator.attrgetter(*(f.name for f in fields(RequestRow)))
 _CONNECTION_VALUES = operator.attrgetter(*(f.name for f in fields(ConnectionRow)))
+
+
+RETRY_HEADER = "x-stainless-retry-count"  # sent by the openai SDKs on every attempt
+
+
+def _retry_count(headers: list[Any]) -> int | None:
+    """The openai SDK's attempt number: a retry sends the same body again, and only this
+    tells it from the first attempt when the client sends no ``x-request-id``."""
+    for name, value in headers:
+        if len(name) == len(RETRY_HEADER) and name.lower() == RETRY_HEADER:
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                return None
+    return None
 
 
 def _request_from(values: list[Any]) -> RequestRow:
@@ -380,6 +396,7 @@ class Summary:
                         method=event.method,
                         target=event.target,
                         request_id=event.request_id,
+                        retry_count=_retry_count(event.headers),
                         version=event.version,
                         pipelined=event.pipelined,
                         after_close=self._closing.get(ckey, False),

@@ -330,7 +330,7 @@ class Context:
                     if r.request_id:
                         by_id.add((f"id:{r.request_id}", r.tap, r.start, pos, rel, coal, end_at))
                     else:
-                        fingerprint = f"{r.method} {r.target} {r.body_sha256}"
+                        fingerprint = f"{r.method} {r.target} {r.body_sha256} {r.retry_count}"
                         by_print.add((r.tap, fingerprint, r.start, pos, rel, coal, end_at))
             if joining and len(self.counts) >= 2:
                 self._join(by_id, by_print)
@@ -368,7 +368,8 @@ class Context:
         """Group the requests by join key; keep the statistics and the groups that matter.
 
         A key is ``x-request-id`` when the client sent one; otherwise a fingerprint
-        (method, target, body hash) and its occurrence number at that tap, in time order.
+        (method, target, body hash, the openai SDK's retry count) and its occurrence
+        number at that tap, in time order.
         A key one tap saw again later (a retry with the same id, a replay) is several
         requests: each joins the earliest group of its key that has no request from its
         tap yet and whose first request was still open (or ended less than ``JOIN_SLACK``
