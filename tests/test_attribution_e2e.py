@@ -14,6 +14,7 @@ from typing import Any
 
 import anyio
 import httpx
+import openai
 import pytest
 
 from .test_cli_proxy import tracer_proxy
@@ -315,6 +316,42 @@ async def test_a_hop_that_holds_a_stream_between_two_taps(tmp_path: Path) -> Non
     assert {r["party"] for r in v["ruled_out"]} == {"engine", "client"}
     (finding,) = [f for f in result["findings"] if not f["note"]]
     assert sorted(finding["requests"]) == ["back/1/1", "front/1/1"]
+
+
+async def test_an_sdk_retry_after_a_hang_on_reuse_without_request_ids(tmp_path: Path) -> None:
+    """The openai SDK, no x-request-id: the hop holds the second request of a keep-alive
+    connection; the SDK times out and sends it again (the same body) on a fresh one,
+    which goes through. The first attempt is the one tap back never saw: the hop."""
+    front, back = tmp_path / "front.jsonl", tmp_path / "back.jsonl"
+    async with engine_running(ttft=0.0, itl=0.005) as sim:
+        async with taps_around(
+            sim.url, "hang-on-reuse:2", front, back, front_args=["--stall-after", "0.5"]
+        ) as (url, _):
+            client = openai.AsyncOpenAI(
+                base_url=url + "/v1", api_key="x", timeout=1.5, max_retries=1
+            )
+            async with client:
+                for turn in ("first", "second"):
+                    stream = await client.chat.completions.create(
+                        model="sim-model",
+                        messages=[{"role": "user", "content": turn}],
+                        max_tokens=4,
+                        stream=True,
+                    )
+                    async for _ in stream:
+                        pass
+    result = await analyze_many(front, back)
+    v = result["verdict"]
+    assert (v["party"], v["kind"]) == ("proxy", "proxy_hung_on_reuse"), result["findings"]
+    assert "between tap front and tap back" in v["summary"]
+    rows = {r["id"]: r for r in result["requests"]}
+    assert (rows["front/1/2"]["retry_count"], rows["front/2/1"]["retry_count"]) == (0, 1)
+    assert v["finding"] and any(
+        "never seen at tap back" in e
+        for f in result["findings"]
+        if f["id"] == v["finding"]
+        for e in f["evidence"]
+    )
 
 
 async def test_a_hop_that_swallows_a_fresh_request(tmp_path: Path) -> None:
