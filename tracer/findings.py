@@ -1316,7 +1316,7 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
     rank = {tap: i for i, tap in enumerate(ctx.order)}
     replaced: set[str] = set()
     extra: list[dict[str, Any]] = []
-    folded: dict[str, list[RequestRow]] = {}  # a request's id -> the same request in front
+    folded: dict[str, list[RequestRow]] = {}  # the telling tap's request -> it at the others
     for seen in ctx.joined():
         taps = sorted(seen, key=lambda t: rank.get(t, 0))
         front = seen[taps[0]]
@@ -1477,12 +1477,12 @@ def _fold(
     the side it came from (the engine's, or the client's), which names the request at
     the others too; their own findings, which could only say "upstream of me" (or "my
     client", of a proxy), go."""
-    behind = {r.id: back for back, fronts in folded.items() for r in fronts}
+    teller_of = {r.id: teller for teller, others in folded.items() for r in others}
     told = {rid for f in findings if not f["note"] for rid in f["requests"] if rid in folded}
     out = []
     for f in findings:
         ids = f["requests"]
-        if not f["note"] and ids and all(behind.get(i) in told for i in ids):
+        if not f["note"] and ids and all(teller_of.get(i) in told for i in ids):
             continue
         if not f["note"]:
             for rid in [i for i in ids if i in folded]:
