@@ -806,16 +806,22 @@ def label(request_id: str) -> str:
     return request_id.rsplit("-", 1)[0] if request_id.startswith("s") else request_id
 
 
-def tables(capture: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], dict[str, Any]]]:
-    """Per-request rows by label, and per-connection rows by the labels they carried."""
+Tables = tuple[dict[str, Any], dict[tuple[str, ...], dict[str, Any]], list[tuple[Any, ...]]]
+
+
+def tables(capture: Path) -> Tables:
+    """Per-request rows by label, per-connection rows by the labels they carried, and the
+    findings (kind, party, confidence, the labels they name), the verdict's first."""
     doc = analyze_json(capture)
     requests: dict[str, Any] = {}
     on_conn: dict[int, list[tuple[int, str]]] = defaultdict(list)
+    labels: dict[str, str] = {}
     for row in doc["requests"]:
         key = label(row["request_id"])
         assert key not in requests
         requests[key] = untimed(row)
         on_conn[row["conn"]].append((row["seq"], key))
+        labels[row["id"]] = key
     conns = {}
     for c in doc["connections"]:
         keys = tuple(k for _, k in sorted(on_conn[c["conn"]]))
@@ -824,7 +830,11 @@ def tables(capture: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], dict[st
             "closed_by": c["closed_by"],
             "in_flight_at_close": c["in_flight_at_close"],
         }
-    return requests, conns
+    findings = [
+        (f["kind"], f["party"], f["confidence"], tuple(labels[i] for i in f["requests"]))
+        for f in doc["findings"]
+    ]
+    return requests, conns, findings
 
 
 @pytest.mark.anyio
@@ -841,8 +851,10 @@ async def test_parity_with_the_native_tap(tmp_path: Path) -> None:
                 await wait_until(lambda: _count(mitm_capture, "conn_close") >= CONNECTIONS, 10)
 
             await scenario(url, closed)
-    native, native_conns = tables(native_capture)
-    mitm, mitm_conns = tables(mitm_capture)
+    native, native_conns, native_findings = tables(native_capture)
+    mitm, mitm_conns, mitm_findings = tables(mitm_capture)
+    assert mitm_findings == native_findings
+    assert {f[0] for f in native_findings} >= {"upstream_silent", "stream_cut", "client_abort"}
     assert sorted(native) == sorted(mitm)
     for key in native:
         assert mitm[key] == native[key], key
