@@ -297,18 +297,26 @@ async def test_a_hop_that_cuts_the_stream_between_two_taps(tmp_path: Path) -> No
     assert [r["party"] for r in v["ruled_out"]] == ["engine"]
 
 
+async def _one_stream_through_a_hop(
+    tmp_path: Path, fault: str, itl: float, tokens: int
+) -> dict[str, Any]:
+    """One stream through tap front, a hop with ``--fault FAULT``, tap back, the engine;
+    the analysis of both captures (no engine metrics)."""
+    front, back = tmp_path / "front.jsonl", tmp_path / "back.jsonl"
+    async with engine_running(ttft=0.0, itl=itl) as sim:
+        async with taps_around(
+            sim.url, fault, front, back, front_args=["--stall-after", "0.5"]
+        ) as (url, _):
+            async with httpx.AsyncClient(timeout=10) as client:
+                await _stream_body(client, url, {**BODY, "max_tokens": tokens})
+    return await analyze_many(front, back)
+
+
 async def test_a_hop_that_holds_a_stream_between_two_taps(tmp_path: Path) -> None:
     """The hop stops relaying after 3 events for 2 s; the tap behind it got the whole
     stream without a gap, the tap in front nothing for 2 s: the hop, with no engine
     metrics needed."""
-    front, back = tmp_path / "front.jsonl", tmp_path / "back.jsonl"
-    async with engine_running(ttft=0.0, itl=0.01) as sim:
-        async with taps_around(
-            sim.url, "stall-after-events:3:2", front, back, front_args=["--stall-after", "0.5"]
-        ) as (url, _):
-            async with httpx.AsyncClient(timeout=5) as client:
-                await _stream(client, url, None)
-    result = await analyze_many(front, back)
+    result = await _one_stream_through_a_hop(tmp_path, "stall-after-events:3:2", 0.01, 6)
     v = result["verdict"]
     assert (v["party"], v["kind"], v["confidence"]) == ("proxy", "proxy_held_stream", "high"), (
         result["findings"]
@@ -316,6 +324,17 @@ async def test_a_hop_that_holds_a_stream_between_two_taps(tmp_path: Path) -> Non
     assert {r["party"] for r in v["ruled_out"]} == {"engine", "client"}
     (finding,) = [f for f in result["findings"] if not f["note"]]
     assert sorted(finding["requests"]) == ["back/1/1", "front/1/1"]
+
+
+async def test_a_buffering_hop_between_two_taps(tmp_path: Path) -> None:
+    """The hop holds the whole stream (`buffer-stream`): one burst at the end at the tap in
+    front, the stream as it came at the tap behind; no engine metrics needed."""
+    result = await _one_stream_through_a_hop(tmp_path, "buffer-stream", 0.05, 30)
+    v = result["verdict"]
+    assert (v["party"], v["kind"], v["confidence"]) == ("proxy", "buffered_response", "high"), (
+        result["findings"]
+    )
+    assert "the hop between them buffered it" in v["summary"]
 
 
 async def test_an_sdk_retry_after_a_hang_on_reuse_without_request_ids(tmp_path: Path) -> None:

@@ -385,6 +385,10 @@ def test_a_failure_seen_the_same_at_every_tap_is_one_finding_from_the_nearest() 
         cap.exchange(5, 1, 22.0 + lag, rid="slow")
         cap.stall(5, 1, 22.0 + lag, 28.0 + lag, direction="client_not_reading")
     front.stall(3, 1, 10.0, 16.0)
+    # buffered by the hop: nothing in front until the whole stream, in one burst
+    front.exchange(6, 1, 30.0, rid="buffered", ttfb=5.0, events=9, itl=0.0)
+    front.stall(6, 1, 30.0, 35.0)
+    back.exchange(6, 1, 30.002, rid="buffered", events=9)
     result = analyze(front, back)
     by_request = {tuple(f["requests"]): f for f in result["findings"]}
     cut = by_request[("back/1/2", "front/1/2")]
@@ -402,6 +406,9 @@ def test_a_failure_seen_the_same_at_every_tap_is_one_finding_from_the_nearest() 
     )
     assert held["summary"].startswith("Tap front got nothing for 6 s while tap back received")
     assert {r["party"] for r in held["ruled_out"]} == {"engine", "client"}
+    buffered = by_request[("front/6/1", "back/6/1")]
+    assert (buffered["kind"], buffered["party"]) == ("buffered_response", "proxy")
+    assert "the hop between them buffered it" in buffered["summary"]
     assert by_request[("front/4/1", "back/4/1")]["kind"] == "client_abort"
     assert by_request[("front/5/1", "back/5/1")]["kind"] == "client_not_reading"
     assert sorted(by_request) == [
@@ -410,6 +417,7 @@ def test_a_failure_seen_the_same_at_every_tap_is_one_finding_from_the_nearest() 
         ("front/3/1", "back/3/1"),
         ("front/4/1", "back/4/1"),
         ("front/5/1", "back/5/1"),
+        ("front/6/1", "back/6/1"),
     ]
 
 

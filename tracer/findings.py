@@ -1417,12 +1417,17 @@ def _held_between(rows: list[RequestRow]) -> dict[str, Any] | None:
             or (back.end is not None and back.end < silent["start"] - JOIN_SLACK)
         ):
             continue
+        buffered = _delivery_kind(front) == "buffered"
         return _finding(
-            "proxy_held_stream",
+            "buffered_response" if buffered else "proxy_held_stream",
             "proxy",
-            f"Tap {front.tap} got nothing for {silent['duration']:.3g} s while tap {back.tap} "
-            f"received the stream with no gap over {back.max_gap:.3g} s: the hop between "
-            "them held it.",
+            f"The whole stream arrived at tap {front.tap} in one burst at its end while tap "
+            f"{back.tap} received it as it came, with no gap over {back.max_gap:.3g} s: the "
+            "hop between them buffered it (as nginx with proxy_buffering on does)."
+            if buffered
+            else f"Tap {front.tap} got nothing for {silent['duration']:.3g} s while tap "
+            f"{back.tap} received the stream with no gap over {back.max_gap:.3g} s: the hop "
+            "between them held it.",
             [front, back],
             [
                 _req_quote(front),
