@@ -46,6 +46,7 @@ class Cap:
         error: str | None = None,
         status: int = 200,
         headers: list[list[str]] | None = None,
+        duration: float | None = None,
     ) -> None:
         if conn not in self._opened:
             self._opened.add(conn)
@@ -90,7 +91,7 @@ class Cap:
                     reads=[[i * itl, 100, 1] for i in range(events)],
                     sse=sse,
                 )
-        done_at = t + ttfb + events * itl
+        done_at = t + (duration if duration is not None else (ttfb or 0.0) + events * itl)
         self._e(
             ev.ResponseEnd,
             done_at,
@@ -418,6 +419,42 @@ def test_a_failure_seen_the_same_at_every_tap_is_one_finding_from_the_nearest() 
         ("front/4/1", "back/4/1"),
         ("front/5/1", "back/5/1"),
         ("front/6/1", "back/6/1"),
+    ]
+
+
+def test_a_hop_that_times_out_on_a_silent_engine_answers_or_cuts_by_itself() -> None:
+    """The engine goes silent; the hop between the taps gives up after 1 s: before the
+    first byte it answers 504 itself, mid-stream it cuts the stream. The 504 is not the
+    engine's, and the engine's silence is still told, at the tap behind."""
+    front = Cap("front", upstream=PROXY)
+    back = Cap("back", upstream=ROUTER, t0=1000.0)
+    back.health(0.0)
+    # before the first byte: 504 in front; behind, no answer, then the hop closed it
+    front.exchange(1, 1, 1.0, rid="early", ttfb=1.0, events=0, status=504)
+    front.stall(1, 1, 1.0, 2.0)
+    back.exchange(1, 1, 1.002, rid="early", ttfb=None, events=0, end="client_abort", duration=1.0)
+    back.stall(1, 1, 1.002, 2.0)
+    # mid-stream: cut in front; behind, the client (the hop) closed during the silence
+    front.exchange(2, 1, 5.0, rid="mid", events=3, end="truncated")
+    front.stall(2, 1, 5.1, 6.1)
+    back.exchange(2, 1, 5.002, rid="mid", events=3, end="client_abort")
+    back.stall(2, 1, 5.102, 6.1)
+    result = analyze(front, back)
+    by_request = {tuple(f["requests"]): f for f in result["findings"]}
+    answered = by_request[("front/1/1", "back/1/1")]
+    assert (answered["kind"], answered["party"]) == ("proxy_error_status", "proxy")
+    assert answered["summary"].startswith("The hop between tap front and tap back answered 504")
+    cut = by_request[("front/2/1", "back/2/1")]
+    assert cut["kind"] == "proxy_cut_stream" and "read timeout" in cut["summary"]
+    assert cut["ruled_out"] == []  # the engine was silent: not ruled out
+    # the silence behind keeps its own findings; nothing is told from the front alone
+    assert by_request[("back/1/1",)]["kind"] == "upstream_silent"
+    assert by_request[("back/2/1",)]["kind"] == "upstream_silent"
+    assert sorted(by_request) == [
+        ("back/1/1",),
+        ("back/2/1",),
+        ("front/1/1", "back/1/1"),
+        ("front/2/1", "back/2/1"),
     ]
 
 

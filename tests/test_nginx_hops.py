@@ -139,3 +139,54 @@ async def test_nginx_closing_an_idle_connection_under_a_request_is_the_proxy(
     kinds = {(f["party"], f["kind"]) for f in result["findings"]}
     assert ("proxy", "stale_connection_race") in kinds, result["findings"]
     assert result["verdict"]["party"] == "proxy"
+
+
+async def test_nginx_timing_out_on_a_silent_engine_between_two_taps(tmp_path: Path) -> None:
+    """nginx with ``proxy_read_timeout 1s`` between two taps, the engine silent for 2 s:
+    before the first token nginx answers 504 itself, mid-stream it cuts the stream. The
+    tap behind shows the engine's silence and nginx giving up on it; so the 504 is the
+    hop's own and the cut the hop's timeout, and the engine's stall is still told."""
+    front, back = tmp_path / "front.jsonl", tmp_path / "back.jsonl"
+    async with engine_running(ttft=0.0, itl=0.01) as sim:
+        metrics = ["--engine-metrics", f"{sim.url}/metrics", "--metrics-interval", "0.1"]
+        async with tracer_proxy(
+            "proxy", "--listen", "127.0.0.1:0", "--upstream", sim.url,
+            "--tap", "back", "--capture", str(back), "--stall-after", "0.5", *metrics,
+        ) as back_tap:  # fmt: skip
+            async with nginx(tmp_path, back_tap.url, "proxy_read_timeout 1s;") as hop:
+                async with tracer_proxy(
+                    "proxy", "--listen", "127.0.0.1:0", "--upstream", hop,
+                    "--tap", "front", "--capture", str(front), "--stall-after", "0.5",
+                ) as front_tap:  # fmt: skip
+                    async with httpx.AsyncClient(timeout=10) as client:
+                        for rid, fault in (
+                            ("early", "stall:after=0:for=2"),
+                            ("mid", "stall:after=2:for=2"),
+                        ):
+                            headers = {"x-request-id": rid, "x-sim-fault": fault}
+                            try:
+                                async with client.stream(
+                                    "POST", front_tap.url + "/v1/chat/completions",
+                                    json={**BODY, "max_tokens": 6}, headers=headers,
+                                ) as r:  # fmt: skip
+                                    status = r.status_code
+                                    async for _ in r.aiter_bytes():
+                                        pass
+                            except httpx.HTTPError:
+                                status = -1  # the cut, at the client
+                            assert status == (504 if rid == "early" else -1), rid
+    result = await analyze(str(front), str(back))
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for f in result["findings"]:
+        by_kind.setdefault(f["kind"], []).append(f)
+    rows = {r["id"]: r["request_id"] for r in result["requests"]}
+    (answered,) = by_kind["proxy_error_status"]
+    assert "answered 504 itself" in answered["summary"]
+    assert {rows[i] for i in answered["requests"]} == {"early"}
+    (cut,) = by_kind["proxy_cut_stream"]
+    assert "read timeout" in cut["summary"] and {rows[i] for i in cut["requests"]} == {"mid"}
+    stalls = by_kind["engine_stall"] + by_kind["engine_stall_mid_stream"]
+    assert sorted(rows[f["requests"][0]] for f in stalls) == ["early", "mid"]
+    assert all(f["requests"][0].startswith("back/") for f in stalls)
+    assert "engine_error_status" not in by_kind  # the 504 was not the engine's
+    assert result["verdict"]["party"] == "engine"

@@ -1370,6 +1370,11 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
                 )
                 replaced.update(seen[t].id for t in taps)
                 continue
+        answered = _answered_between([seen[t] for t in taps])
+        if answered is not None:
+            extra.append(answered)
+            replaced.add(front.id)  # the tap behind keeps its own findings (the cause)
+            continue
         held = _held_between([seen[t] for t in taps])
         if held is not None:
             extra.append(held)
@@ -1379,21 +1384,89 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
         # the stream was whole (or still flowing: the hop then closed that side too) behind
         # the hop, and cut in front of it
         if back.termination in ("complete", "client_abort") and front.termination == "truncated":
-            extra.append(
-                _finding(
-                    "proxy_cut_stream",
-                    "proxy",
-                    f"The stream ended complete at tap {back.tap} but was cut at tap {front.tap}.",
-                    [front, back],
-                    [_req_quote(front), _outcome_quote(front), _outcome_quote(back)],
-                    [{"party": "engine", "why": f"the stream was complete at tap {back.tap}"}],
-                    "high",
-                    t=front.end,
-                )
-            )
-            replaced.update({front.id, back.id})
+            extra.append(_cut_between(front, back))
+            waited = _waited(back)
+            # a hop that gave up on a silent upstream: the silence is told at the back tap
+            replaced.update({front.id} if waited else {front.id, back.id})
     kept = [f for f in findings if not (set(f["requests"]) & replaced)]
     return _fold(kept, folded) + extra
+
+
+def _waited(r: RequestRow) -> dict[str, Any] | None:
+    """The upstream silence a request was in when its client (a hop) closed it."""
+    if r.termination != "client_abort":
+        return None
+    return next((s for s in r.stalls if s["direction"] == "upstream_silent"), None)
+
+
+def _cut_between(front: RequestRow, back: RequestRow) -> dict[str, Any]:
+    """The stream cut in front of a hop while whole, or still flowing, behind it; or cut
+    by the hop after the tap behind had waited on a silent upstream (a proxy's read
+    timeout meeting an engine's pause: both are findings)."""
+    evidence = [_req_quote(front), _outcome_quote(front), _outcome_quote(back)]
+    waited = _waited(back)
+    if waited is not None:
+        return _finding(
+            "proxy_cut_stream",
+            "proxy",
+            f"The hop between tap {front.tap} and tap {back.tap} cut the stream after tap "
+            f"{back.tap} had waited {waited['duration'] or 0:.3g} s on its upstream: a "
+            "proxy's read timeout (as nginx's proxy_read_timeout) met that silence.",
+            [front, back],
+            evidence,
+            [],
+            "high",
+            settle=f"the findings at tap {back.tap} say why its upstream was silent; the "
+            "hop's timeout may be shorter than the engine's pauses",
+            t=front.end,
+        )
+    whole = "ended complete" if back.termination == "complete" else "was still flowing"
+    return _finding(
+        "proxy_cut_stream",
+        "proxy",
+        f"The stream {whole} at tap {back.tap} but was cut at tap {front.tap}.",
+        [front, back],
+        evidence,
+        [{"party": "engine", "why": f"the stream {whole} at tap {back.tap}"}],
+        "high",
+        t=front.end,
+    )
+
+
+def _answered_between(rows: list[RequestRow]) -> dict[str, Any] | None:
+    """An error status at one tap that the next tap toward the engine never got: the hop
+    between them answered it itself (a proxy's 502/504 after its own timeout, as nginx's
+    ``proxy_read_timeout``, or its own error)."""
+    for front, back in itertools.pairwise(rows):
+        status = front.status
+        if status is None or status < 500 or front.by_tracer or back.status == status:
+            continue
+        if back.status is None:
+            what = (
+                f"tap {back.tap} got no answer from upstream in "
+                f"{(back.end or front.end or back.start) - back.start:.3g} s, then "
+                f"the hop closed the request ({back.termination})"
+            )
+        else:
+            what = f"tap {back.tap} got {back.status} ({back.termination})"
+        return _finding(
+            "proxy_error_status",
+            "proxy",
+            f"The hop between tap {front.tap} and tap {back.tap} answered {status} itself: {what}.",
+            [front, back],
+            [
+                _req_quote(front),
+                _outcome_quote(front),
+                f"at tap {back.tap}: {_req_quote(back)}; {_outcome_quote(back)}",
+            ],
+            [{"party": "engine", "why": f"tap {back.tap} never got a {status} from upstream"}],
+            "high",
+            settle="if the hop timed out waiting, the findings at tap "
+            f"{back.tap} say why the answer was slow; the hop's timeout may be shorter "
+            "than the engine's time to first token",
+            t=front.end,
+        )
+    return None
 
 
 def _held_between(rows: list[RequestRow]) -> dict[str, Any] | None:
