@@ -337,6 +337,22 @@ async def test_a_buffering_hop_between_two_taps(tmp_path: Path) -> None:
     assert "the hop between them buffered it" in v["summary"]
 
 
+async def test_a_hop_answering_503_without_forwarding_between_two_taps(tmp_path: Path) -> None:
+    """The hop answers every second request 503 itself (`status:503@every=2`): the tap
+    behind never sees those, so the 503 is the hop's, not the engine's."""
+    front, back = tmp_path / "front.jsonl", tmp_path / "back.jsonl"
+    async with engine_running(ttft=0.0, itl=0.005) as sim:
+        async with taps_around(sim.url, "status:503@every=2", front, back) as (url, _):
+            async with httpx.AsyncClient(timeout=5) as client:
+                for _ in range(2):
+                    await _stream(client, url, None)
+    result = await analyze_many(front, back)
+    v = result["verdict"]
+    assert (v["party"], v["kind"]) == ("proxy", "proxy_error_status"), result["findings"]
+    assert "answered 503 itself: the request never reached tap back" in v["summary"]
+    assert not any(f["kind"] == "engine_error_status" for f in result["findings"])
+
+
 async def test_an_sdk_retry_after_a_hang_on_reuse_without_request_ids(tmp_path: Path) -> None:
     """The openai SDK, no x-request-id: the hop holds the second request of a keep-alive
     connection; the SDK times out and sends it again (the same body) on a fresh one,

@@ -458,6 +458,25 @@ def test_a_hop_that_times_out_on_a_silent_engine_answers_or_cuts_by_itself() -> 
     ]
 
 
+def test_a_hop_answering_an_error_without_forwarding_is_the_proxy() -> None:
+    """A 503 at the tap in front for a request the tap behind never saw (it saw the
+    others): the hop answered it itself, not the engine."""
+    front = Cap("front", upstream=PROXY)
+    back = Cap("back", upstream=ROUTER, t0=1000.0)
+    for seq in (1, 2):
+        front.exchange(1, seq, seq * 1.0, rid=f"r{seq}", idle=0.5)
+        back.exchange(1, seq, seq * 1.0 + 0.002, rid=f"r{seq}", idle=0.5)
+    front.exchange(2, 1, 3.0, rid="limited", events=0, status=503)
+    result = analyze(front, back)
+    v = result["verdict"]
+    assert (v["party"], v["kind"], v["confidence"]) == ("proxy", "proxy_error_status", "high")
+    assert v["summary"] == (
+        "The hop between tap front and tap back answered 503 itself: the request never "
+        "reached tap back."
+    )
+    assert [f["kind"] for f in result["findings"]] == ["proxy_error_status"]
+
+
 def test_client_not_reading_and_bare_abort() -> None:
     cap = Cap()
     cap.exchange(1, 1, 0.0, events=3, end="client_abort")

@@ -268,7 +268,17 @@ class _Group:
 
 
 def _relevant_at_front(r: RequestRow, end: float | None) -> bool:
-    return _hang_window(r, end) is not None or r.termination != "complete" or bool(r.stalls)
+    return (
+        _hang_window(r, end) is not None
+        or r.termination != "complete"
+        or bool(r.stalls)
+        or _error_status(r)
+    )
+
+
+def _error_status(r: RequestRow) -> bool:
+    """A 5xx the tap passed on (not its own answer)."""
+    return r.status is not None and r.status >= 500 and not r.by_tracer
 
 
 class Context:
@@ -1321,7 +1331,12 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
         taps = sorted(seen, key=lambda t: rank.get(t, 0))
         front = seen[taps[0]]
         window = _hang_window(front, ctx.e.end)
-        if window is None and front.termination == "complete" and not front.stalls:
+        if (
+            window is None
+            and front.termination == "complete"
+            and not front.stalls
+            and not _error_status(front)
+        ):
             continue
         if len(taps) > 1 and all(_same_failure(seen[t], seen[taps[-1]]) for t in taps[:-1]):
             # told by the tap nearest the side it came from
@@ -1332,6 +1347,10 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
         if len(taps) < len(ctx.order):  # never reached the taps behind
             missing = [t for t in ctx.order if t not in seen]
             after = missing[0]
+            if rank[after] > rank[last] and _error_status(seen[last]):
+                extra.append(_answered_alone(seen[last], after, ctx.counts.get(after, 0)))
+                replaced.update(seen[t].id for t in taps)
+                continue
             if rank[after] > rank[last]:
                 view = ctx.engine_view(*(window or (front.start, front.end or front.start)))
                 kind = "proxy_hung_on_reuse" if seen[last].reused else "proxy_swallowed_request"
@@ -1392,6 +1411,26 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
     return _fold(kept, folded) + extra
 
 
+def _answered_alone(r: RequestRow, after: str, others: int) -> dict[str, Any]:
+    """An error status for a request the next tap toward the engine never saw: the hop
+    answered it without forwarding it (a rate limit, an overload page, no upstream)."""
+    return _finding(
+        "proxy_error_status",
+        "proxy",
+        f"The hop between tap {r.tap} and tap {after} answered {r.status} itself: the "
+        f"request never reached tap {after}.",
+        [r],
+        [
+            _req_quote(r),
+            _outcome_quote(r),
+            f"never seen at tap {after}, which saw {others} other request(s)",
+        ],
+        [{"party": "engine", "why": f"the request never reached tap {after}"}],
+        "high",
+        t=r.end,
+    )
+
+
 def _waited(r: RequestRow) -> dict[str, Any] | None:
     """The upstream silence a request was in when its client (a hop) closed it."""
     if r.termination != "client_abort":
@@ -1439,7 +1478,7 @@ def _answered_between(rows: list[RequestRow]) -> dict[str, Any] | None:
     ``proxy_read_timeout``, or its own error)."""
     for front, back in itertools.pairwise(rows):
         status = front.status
-        if status is None or status < 500 or front.by_tracer or back.status == status:
+        if not _error_status(front) or back.status == status:
             continue
         if back.status is None:
             what = (
