@@ -710,9 +710,9 @@ def _hang_window(r: RequestRow, end: float | None) -> tuple[float, float] | None
     """When the request sat with no bytes arriving from upstream, if it did."""
     if r.detail == UPSTREAM_GONE:
         return None  # sent after the upstream closed: the client's reuse, not a hang
-    for stall in r.stalls:
-        if stall["direction"] == "upstream_silent":
-            return stall["start"], stall["end"] or r.end or end or stall["start"]
+    stall = _upstream_silence(r)
+    if stall is not None:
+        return stall["start"], stall["end"] or r.end or end or stall["start"]
     if r.termination in ("in_flight", "truncated", "client_abort") and r.status is None:
         return r.start, r.end or end or r.start
     return None
@@ -1079,7 +1079,7 @@ def analyze_upstream_endings(ctx: Context) -> list[dict[str, Any]]:
         elif (
             r.termination == "truncated"
             and (r.response_bytes > 0 or r.status is not None)
-            and not any(s["direction"] == "upstream_silent" for s in r.stalls)
+            and _upstream_silence(r) is None
         ):  # (a cut after a silence: the silence is the finding)
             out.append(
                 _finding(
@@ -1329,15 +1329,11 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
     folded: dict[str, list[RequestRow]] = {}  # the telling tap's request -> it at the others
     for seen in ctx.joined():
         taps = sorted(seen, key=lambda t: rank.get(t, 0))
-        front = seen[taps[0]]
-        window = _hang_window(front, ctx.e.end)
-        if (
-            window is None
-            and front.termination == "complete"
-            and not front.stalls
-            and not _error_status(front)
-        ):
+        rows = [seen[t] for t in taps]  # client side first
+        front = rows[0]
+        if not _relevant_at_front(front, ctx.e.end):
             continue
+        window = _hang_window(front, ctx.e.end)
         if len(taps) > 1 and all(_same_failure(seen[t], seen[taps[-1]]) for t in taps[:-1]):
             # told by the tap nearest the side it came from
             teller = taps[0] if _client_side(front) else taps[-1]
@@ -1347,11 +1343,12 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
         if len(taps) < len(ctx.order):  # never reached the taps behind
             missing = [t for t in ctx.order if t not in seen]
             after = missing[0]
-            if rank[after] > rank[last] and _error_status(seen[last]):
+            stopped = rank[after] > rank[last]  # at a hop, not at a tap that saw it
+            if stopped and _error_status(seen[last]):
                 extra.append(_answered_alone(seen[last], after, ctx.counts.get(after, 0)))
-                replaced.update(seen[t].id for t in taps)
+                replaced.update(r.id for r in rows)
                 continue
-            if rank[after] > rank[last]:
+            if stopped:
                 view = ctx.engine_view(*(window or (front.start, front.end or front.start)))
                 kind = "proxy_hung_on_reuse" if seen[last].reused else "proxy_swallowed_request"
                 evidence = [_req_quote(seen[t]) for t in taps] + [
@@ -1389,22 +1386,22 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
                 )
                 replaced.update(seen[t].id for t in taps)
                 continue
-        answered = _answered_between([seen[t] for t in taps])
+        answered = _answered_between(rows)
         if answered is not None:
             extra.append(answered)
             replaced.add(front.id)  # the tap behind keeps its own findings (the cause)
             continue
-        held = _held_between([seen[t] for t in taps])
+        held = _held_between(rows)
         if held is not None:
             extra.append(held)
-            replaced.update(seen[t].id for t in taps)
+            replaced.update(r.id for r in rows)
             continue
         back = seen[taps[-1]]
         # the stream was whole (or still flowing: the hop then closed that side too) behind
         # the hop, and cut in front of it
         if back.termination in ("complete", "client_abort") and front.termination == "truncated":
-            extra.append(_cut_between(front, back))
             waited = _waited(back)
+            extra.append(_cut_between(front, back, waited))
             # a hop that gave up on a silent upstream: the silence is told at the back tap
             replaced.update({front.id} if waited else {front.id, back.id})
     kept = [f for f in findings if not (set(f["requests"]) & replaced)]
@@ -1431,19 +1428,28 @@ def _answered_alone(r: RequestRow, after: str, others: int) -> dict[str, Any]:
     )
 
 
-def _waited(r: RequestRow) -> dict[str, Any] | None:
-    """The upstream silence a request was in when its client (a hop) closed it."""
-    if r.termination != "client_abort":
-        return None
+def _upstream_silence(r: RequestRow) -> dict[str, Any] | None:
+    """The request's first ``upstream_silent`` stall."""
     return next((s for s in r.stalls if s["direction"] == "upstream_silent"), None)
 
 
-def _cut_between(front: RequestRow, back: RequestRow) -> dict[str, Any]:
+def _at_tap(r: RequestRow) -> str:
+    """The request and how it ended, in one evidence line."""
+    return f"{_req_quote(r)}; {_outcome_quote(r)}"
+
+
+def _waited(r: RequestRow) -> dict[str, Any] | None:
+    """The upstream silence a request was in when its client (a hop) closed it."""
+    return _upstream_silence(r) if r.termination == "client_abort" else None
+
+
+def _cut_between(
+    front: RequestRow, back: RequestRow, waited: dict[str, Any] | None
+) -> dict[str, Any]:
     """The stream cut in front of a hop while whole, or still flowing, behind it; or cut
-    by the hop after the tap behind had waited on a silent upstream (a proxy's read
+    by the hop after the tap behind had ``waited`` on a silent upstream (a proxy's read
     timeout meeting an engine's pause: both are findings)."""
     evidence = [_req_quote(front), _outcome_quote(front), _outcome_quote(back)]
-    waited = _waited(back)
     if waited is not None:
         return _finding(
             "proxy_cut_stream",
@@ -1496,7 +1502,7 @@ def _answered_between(rows: list[RequestRow]) -> dict[str, Any] | None:
             [
                 _req_quote(front),
                 _outcome_quote(front),
-                f"at tap {back.tap}: {_req_quote(back)}; {_outcome_quote(back)}",
+                f"at tap {back.tap}: {_at_tap(back)}",
             ],
             [{"party": "engine", "why": f"tap {back.tap} never got a {status} from upstream"}],
             "high",
@@ -1517,14 +1523,14 @@ def _held_between(rows: list[RequestRow]) -> dict[str, Any] | None:
     (its body sent again after a first attempt that a hop dropped: fingerprints are
     paired by their count at each tap) makes that delay itself."""
     for front, back in itertools.pairwise(rows):
-        silent = next((s for s in front.stalls if s["direction"] == "upstream_silent"), None)
+        silent = _upstream_silence(front)
         if (
             silent is None
             or silent["duration"] is None
             or back.ttfb is None
             or back.max_gap is None
             or back.max_gap >= silent["duration"]
-            or any(s["direction"] == "upstream_silent" for s in back.stalls)
+            or _upstream_silence(back) is not None
             or back.start > silent["start"] + JOIN_SLACK
             or (back.end is not None and back.end < silent["start"] - JOIN_SLACK)
         ):
@@ -1546,8 +1552,8 @@ def _held_between(rows: list[RequestRow]) -> dict[str, Any] | None:
                 f"stall t={silent['start']:.3f} upstream_silent for {silent['duration']:.3g} s "
                 f"at tap {front.tap}",
                 _outcome_quote(front),
-                f"the same at tap {back.tap}: {_req_quote(back)}; {_outcome_quote(back)}; "
-                f"longest gap {back.max_gap:.3g} s, no stall",
+                f"the same at tap {back.tap}: {_at_tap(back)}; longest gap "
+                f"{back.max_gap:.3g} s, no stall",
             ],
             [
                 {"party": "engine", "why": f"the bytes reached tap {back.tap} in time"},
@@ -1599,17 +1605,15 @@ def _fold(
     out = []
     for f in findings:
         ids = f["requests"]
-        if not f["note"] and ids and all(teller_of.get(i) in told for i in ids):
+        if f["note"]:
+            out.append(f)
             continue
-        if not f["note"]:
-            for rid in [i for i in ids if i in folded]:
-                for r in folded[rid]:
-                    if r.id not in ids:
-                        ids.append(r.id)
-                        f["connections"] = sorted({*f["connections"], f"{r.tap}/{r.conn}"})
-                        f["evidence"].append(
-                            f"the same at tap {r.tap}: {_req_quote(r)}; {_outcome_quote(r)}"
-                        )
+        if ids and all(teller_of.get(i) in told for i in ids):
+            continue  # told by the teller's finding
+        for r in [r for rid in ids if rid in folded for r in folded[rid] if r.id not in ids]:
+            ids.append(r.id)
+            f["connections"] = sorted({*f["connections"], f"{r.tap}/{r.conn}"})
+            f["evidence"].append(f"the same at tap {r.tap}: {_at_tap(r)}")
         out.append(f)
     return out
 
