@@ -101,7 +101,7 @@ from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 from tracer import __version__
 from tracer import events as ev
 from tracer.bodies import RequestBody, encode_body
-from tracer.capture import CaptureWriter
+from tracer.capture import CaptureWriter, boot_id
 from tracer.redact import redact_headers
 from tracer.sniff import (
     BODY_BATCH_READS,
@@ -500,6 +500,7 @@ class TraceAddon:
             kind="mitmproxy",
             listen=", ".join(dict.fromkeys(listen)),
             upstream=upstream[0] if len(upstream) == 1 else None,
+            boot_id=boot_id(),
             options={
                 "stall_after": self.stall_after,
                 "bodies": self.bodies,

@@ -412,6 +412,13 @@ async def test_a_hop_that_swallows_a_fresh_request(tmp_path: Path) -> None:
         "proxy_swallowed_request",
         "high",
     ), result["findings"]
+    # the taps share this machine's clock, so the second request's copy at tap back is
+    # joined to it by time, not to the swallowed first (counted per tap, that pair was
+    # 1.5 s apart: the client's timeout)
+    swallowed = next(f for f in result["findings"] if f["kind"] == "proxy_swallowed_request")
+    assert swallowed["requests"] == ["front/1/1"]
+    (pair,) = result["evidence"]["tap_pairs"]
+    assert pair["shared"] == 1 and 0 < pair["median_delay"] < 0.5, pair
 
 
 async def test_client_idle_hang_at_a_client_facing_tap(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from tracer import events as ev
 from tracer.analysis import Summary
+from tracer.findings import TIME_JOINED_REPEATS
 
 PROXY = "http://127.0.0.1:8001"  # a hop between the tap and the router
 ROUTER = "http://127.0.0.1:8000"
@@ -18,12 +19,22 @@ class Cap:
     """Builds one tap's event stream."""
 
     def __init__(
-        self, tap: str = "front", upstream: str | None = PROXY, t0: float = 1000.0
+        self,
+        tap: str = "front",
+        upstream: str | None = PROXY,
+        t0: float = 1000.0,
+        boot_id: str | None = None,
     ) -> None:
         self.tap, self.t0 = tap, t0
         self.events: list[ev.Event] = [
             ev.CaptureStart(
-                t=t0, m=t0, tap=tap, tracer_version="t", kind="proxy", upstream=upstream
+                t=t0,
+                m=t0,
+                tap=tap,
+                tracer_version="t",
+                kind="proxy",
+                upstream=upstream,
+                boot_id=boot_id,
             )
         ]
         self._opened: set[int] = set()
@@ -543,6 +554,53 @@ def test_two_taps_join_by_fingerprint_without_request_ids() -> None:
     front.stall(1, 3, 3.0, None)
     v = analyze(front, back)["verdict"]
     assert (v["party"], v["kind"]) == ("proxy", "proxy_hung_on_reuse")
+
+
+def _swallowed_then_sent_again(front_boot: str | None, back_boot: str | None) -> dict[str, Any]:
+    """A hop swallows a request; the client gives up after 1.5 s and at once sends the same
+    body (no request id, no retry count) on a fresh connection, which gets through."""
+    front = Cap("front", upstream=PROXY, boot_id=front_boot)
+    back = Cap("back", upstream=ROUTER, boot_id=back_boot)
+    front.exchange(1, 1, 1.0, end="client_abort", ttfb=None, events=0, duration=1.5)
+    front.stall(1, 1, 1.0, 2.5)
+    front.exchange(2, 1, 2.505)
+    back.exchange(1, 1, 2.508)
+    return analyze(front, back)
+
+
+def test_taps_on_one_clock_join_the_same_body_sent_again_by_time() -> None:
+    result = _swallowed_then_sent_again("boot-1", "boot-1")
+    v = result["verdict"]
+    assert (v["party"], v["kind"], v["confidence"]) == ("proxy", "proxy_swallowed_request", "high")
+    assert result["findings"][0]["requests"] == ["front/1/1"]
+    assert result["evidence"]["tap_pairs"] == [
+        {"from": "front", "to": "back", "shared": 1, "median_delay": 0.003}
+    ]
+    assert {t["tap"]: t["boot_id"] for t in result["taps"]} == {"front": "boot-1", "back": "boot-1"}
+
+
+@pytest.mark.parametrize("boots", [(None, None), ("boot-1", "boot-2"), ("boot-1", None)])
+def test_taps_on_clocks_not_known_to_agree_join_by_occurrence(
+    boots: tuple[str | None, str | None],
+) -> None:
+    """Without one clock a few ms cannot be trusted across taps: the n-th copy of a body at
+    one tap is the n-th at the next (here that pairs the retry's copy with the swallowed
+    first attempt, 1.5 s apart: the limit this join has without a shared clock)."""
+    result = _swallowed_then_sent_again(*boots)
+    assert result["evidence"]["tap_pairs"][0]["median_delay"] == 1.508
+    assert result["verdict"]["kind"] != "proxy_swallowed_request"
+
+
+def test_a_body_sent_many_times_on_one_clock_joins_by_occurrence() -> None:
+    """A load test's one prompt, over and over: past TIME_JOINED_REPEATS copies at a tap a
+    fingerprint is joined by occurrence (bounded work), and every copy still pairs up."""
+    front = Cap("front", upstream=PROXY, boot_id="boot-1")
+    back = Cap("back", upstream=ROUTER, boot_id="boot-1")
+    for i in range(TIME_JOINED_REPEATS + 4):
+        front.exchange(1, i + 1, i * 0.5, idle=0.1 if i else 0.0)
+        back.exchange(1, i + 1, i * 0.5 + 0.002, idle=0.1 if i else 0.0)
+    (pair,) = analyze(front, back)["evidence"]["tap_pairs"]
+    assert (pair["shared"], pair["median_delay"]) == (TIME_JOINED_REPEATS + 4, 0.002)
 
 
 def _bunched(cap: Cap, t: float, *, bunched: bool) -> None:

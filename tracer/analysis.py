@@ -556,6 +556,8 @@ class Summary:
                         "listen": event.listen,
                         "upstream": event.upstream,
                         "tracer_version": event.tracer_version,
+                        "boot_id": event.boot_id,
+                        "wall_offset": round(event.t - event.m, 6),
                         "started": event.t,
                         "ended": None,
                         "dropped": 0,

@@ -14,6 +14,7 @@ a ``capture_loss`` record as soon as writing works again, and in ``capture_end``
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -34,6 +35,19 @@ FLUSH_INTERVAL = 0.05
 MAX_PENDING_BYTES = 32 * 1024 * 1024
 
 _OPTS = orjson.OPT_APPEND_NEWLINE
+
+
+@functools.cache
+def boot_id() -> str | None:
+    """This machine's boot, for ``capture_start.boot_id``: taps that started in the same
+    boot read one wall clock (containers share their host's), so the analysis can join
+    their requests by time to the millisecond instead of within a cross-host clock
+    tolerance. None where the kernel does not say (not Linux)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def encode_line(record: dict[str, Any]) -> bytes:

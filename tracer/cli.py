@@ -16,7 +16,7 @@ import structlog
 
 from . import __version__, logs
 from .analysis import Summary
-from .capture import CaptureError, CaptureWriter, read_into
+from .capture import CaptureError, CaptureWriter, boot_id, read_into
 from .faults import KINDS, RULE_KEYS, Fault, FaultSpecError, parse_fault
 from .relay import Tap, TapConfig, parse_hostport, parse_upstream
 from .render import write_json, write_markdown, write_text
@@ -468,6 +468,7 @@ def _watch(args: argparse.Namespace) -> int:
             tap=args.tap,
             tracer_version=__version__,
             kind="watch",
+            boot_id=boot_id(),
             options={
                 "engine_metrics": args.engine_metrics,
                 "health": args.health,

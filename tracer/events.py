@@ -137,6 +137,7 @@ class CaptureStart(Event):
     listen: str | None = None
     upstream: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    boot_id: str | None = None  # the machine's boot: taps of one boot share a wall clock
 
 
 @_register

@@ -48,6 +48,14 @@ STREAM_RESET = "stream reset by client"  # mitmproxy's words for an HTTP/2 RST_S
 SLOW_FIRST_TOKEN = 2.0  # seconds: below this a first token is never "slow"
 MAX_QUOTED = 10  # requests quoted one by one in a note about many
 JOIN_SLACK = 1.0  # seconds: clock offset between taps tolerated when joining by time
+# ... between taps that read one wall clock (the same boot, the same wall offset): only
+# the few ms between a tap reading bytes and writing down when
+SHARED_CLOCK_SLACK = 0.005
+# On one clock, a fingerprint seen 2..this many times at a tap is joined by time (the same
+# body sent again: a retry); seen more often (a load test's one prompt) it is joined by
+# occurrence, as without a shared clock. At most this many such fingerprints are kept.
+TIME_JOINED_REPEATS = 16
+TIME_JOINED_PRINTS = 10_000
 IDLE_REUSE_RACE = 1.0  # seconds idle before a request for a stale-connection race
 UPSTREAM_GONE = "upstream already closed"  # the observer's detail for such a request
 SPILL_ITEMS = 16384  # join records (a few small fields each) in memory before a run spills
@@ -267,6 +275,30 @@ class _Group:
     # front-relevant, coalesced)
 
 
+def _shared_clock(taps: list[dict[str, Any]]) -> bool:
+    """Whether these taps read one wall clock: started in the same boot (``boot_id``) with
+    the same wall offset (no clock step between their starts)."""
+    boots = {t.get("boot_id") for t in taps}
+    offsets = [o for t in taps if isinstance(o := t.get("wall_offset"), (int, float))]
+    if len(boots) != 1 or None in boots or len(offsets) != len(taps):
+        return False
+    return max(offsets) - min(offsets) <= 0.001
+
+
+def _repeated_prints(by_print: Iterable[tuple[Any, ...]]) -> set[str]:
+    """The fingerprints some tap saw 2..``TIME_JOINED_REPEATS`` times and none more often
+    (the first ``TIME_JOINED_PRINTS`` of them): the ones ``_join`` groups by time.
+    ``by_print`` is sorted by tap, fingerprint, start."""
+    most: dict[str, int] = {}
+    previous, n = None, 0
+    for tap, fingerprint, *_ in by_print:
+        n = n + 1 if previous == (tap, fingerprint) else 1
+        previous = (tap, fingerprint)
+        if n > 1 and (fingerprint in most or len(most) < TIME_JOINED_PRINTS):
+            most[fingerprint] = max(n, most.get(fingerprint, 0))
+    return {fp for fp, count in most.items() if count <= TIME_JOINED_REPEATS}
+
+
 def _relevant_at_front(r: RequestRow, end: float | None) -> bool:
     return (
         _hang_window(r, end) is not None
@@ -378,13 +410,19 @@ class Context:
         """Group the requests by join key; keep the statistics and the groups that matter.
 
         A key is ``x-request-id`` when the client sent one; otherwise a fingerprint
-        (method, target, body hash, the openai SDK's retry count) and its occurrence
-        number at that tap, in time order.
-        A key one tap saw again later (a retry with the same id, a replay) is several
-        requests: each joins the earliest group of its key that has no request from its
-        tap yet and whose first request was still open (or ended less than ``JOIN_SLACK``
-        before) when it started — a request cannot reach a tap after its client saw it end.
+        (method, target, body hash, the openai SDK's retry count) and, unless the taps
+        share a clock, its occurrence number at that tap, in time order.
+        A key one tap saw again later (a retry with the same id, a replay, the same body
+        sent again) is several requests: each joins the earliest group of its key that has
+        no request from its tap yet and whose first request was still open (or ended less
+        than the clock slack before) when it started — a request cannot reach a tap after
+        its client saw it end. On one clock that slack is ``SHARED_CLOCK_SLACK``, and it
+        is what tells a dropped request from the same body sent again at once: counted
+        per tap, the next tap's copy of the second would be taken for the first.
         """
+        shared = _shared_clock([self.e.taps.get(tap, {}) for tap in self.counts])
+        slack = SHARED_CLOCK_SLACK if shared else JOIN_SLACK
+        by_time = _repeated_prints(by_print) if shared else {}
         keyed: SortedSpool[tuple[Any, ...]] = _tuple_spool()
         try:
             for item in by_id:
@@ -393,20 +431,21 @@ class Context:
             for tap, fingerprint, start, pos, rel, coal, end_at in by_print:
                 n = n + 1 if previous == (tap, fingerprint) else 1
                 previous = (tap, fingerprint)
-                keyed.add((f"fp:{fingerprint}#{n}", tap, start, pos, rel, coal, end_at))
-            key: str | None = None
+                key = f"fp:{fingerprint}" if fingerprint in by_time else f"fp:{fingerprint}#{n}"
+                keyed.add((key, tap, start, pos, rel, coal, end_at))
+            group_key: str | None = None
             items: list[tuple[Any, ...]] = []
             for item in keyed:
-                if item[0] != key:
-                    self._group_key(items)
-                    key, items = item[0], []
+                if item[0] != group_key:
+                    self._group_key(items, slack)
+                    group_key, items = item[0], []
                 items.append(item)
-            self._group_key(items)
+            self._group_key(items, slack)
         finally:
             keyed.close()
         self._groups.sort(key=lambda g: g.first)
 
-    def _group_key(self, items: list[tuple[Any, ...]]) -> None:
+    def _group_key(self, items: list[tuple[Any, ...]], slack: float) -> None:
         """The requests of one key (a handful) into groups (see ``_join``).
 
         Seen once per tap, they are one request whatever the clocks say (taps on
@@ -424,7 +463,7 @@ class Context:
         groups: list[tuple[_Group, float]] = []  # with the first request's end (inf: open)
         for _, tap, start, pos, rel, coal, end_at in sorted(items, key=lambda i: i[2]):
             for group, first_end in groups:
-                if tap not in group.members and start <= first_end + JOIN_SLACK:
+                if tap not in group.members and start <= first_end + slack:
                     group.members[tap] = (start, pos, rel, coal)
                     break
             else:

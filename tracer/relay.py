@@ -52,7 +52,7 @@ from anyio.abc import TaskStatus
 
 from . import __version__
 from . import events as ev
-from .capture import CaptureWriter
+from .capture import CaptureWriter, boot_id
 from .faults import (
     Action,
     ArmIdle,
@@ -245,6 +245,7 @@ class Tap:
             kind="proxy",
             listen=f"{cfg.listen_host}:{cfg.listen_port}",
             upstream=cfg.upstream_url,
+            boot_id=boot_id(),
             options={
                 "stall_after": cfg.stall_after,
                 "bodies": cfg.bodies,
