@@ -8,8 +8,10 @@ queued rise and fall as they should.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -211,3 +213,70 @@ async def test_poller_sees_load_rise_and_fall(tmp_path: Path) -> None:
         if r["type"] == "engine" and r["source"] == "loads" and r["ok"]
     ]
     assert loads and max(s["running"] for s in loads) == 2
+
+
+@pytest.mark.skipif(not SMG.exists(), reason="smg (sglang-router) is not installed")
+async def test_taps_in_front_of_each_engine_behind_the_router(tmp_path: Path) -> None:
+    """A tap in front of the router and one in front of each of its two engines: the
+    router sends each request to one of them, so the taps behind it see none of each
+    other's requests. Each is one hop behind the front tap (not a chain of three), and
+    a request the hop in front of the router swallows never reached either of them."""
+    front, e1, e2 = (tmp_path / f"{name}.jsonl" for name in ("front", "e1", "e2"))
+    async with (
+        engine_running(ttft=0.0, itl=0.002) as w1,
+        engine_running(ttft=0.0, itl=0.002) as w2,
+        tracer_proxy(
+            "proxy", "--listen", "127.0.0.1:0", "--upstream", w1.url,
+            "--tap", "e1", "--capture", str(e1),
+        ) as tap1,
+        tracer_proxy(
+            "proxy", "--listen", "127.0.0.1:0", "--upstream", w2.url,
+            "--tap", "e2", "--capture", str(e2),
+        ) as tap2,
+        router(tmp_path, tap1.url, tap2.url) as (router_url, _),
+        tracer_proxy(
+            "proxy", "--listen", "127.0.0.1:0", "--upstream", router_url,
+            "--tap", "hop", "--fault", "drop-request@times=1,pos=5",
+        ) as hop,
+        tracer_proxy(
+            "proxy", "--listen", "127.0.0.1:0", "--upstream", hop.url,
+            "--tap", "front", "--capture", str(front), "--stall-after", "0.5",
+        ) as front_tap,
+    ):  # fmt: skip
+        body = {"model": "sim-model", "stream": True, "max_tokens": 4}
+        async with httpx.AsyncClient(timeout=1.5) as client:
+            for i in range(6):
+                question = {"messages": [{"role": "user", "content": f"question {i}"}]}
+                try:
+                    async with client.stream(
+                        "POST", front_tap.url + "/v1/chat/completions", json=body | question
+                    ) as r:
+                        async for _ in r.aiter_bytes():
+                            pass
+                except httpx.ReadTimeout:
+                    assert i == 4  # the one the hop swallowed
+    done = await anyio.run_process(
+        [
+            sys.executable,
+            "-m",
+            "tracer",
+            "analyze",
+            str(front),
+            str(e1),
+            str(e2),
+            "--format",
+            "json",
+        ]
+    )
+    result = json.loads(done.stdout)
+    pairs = {(p["from"], p["to"]): p["shared"] for p in result["evidence"]["tap_pairs"]}
+    assert pairs.keys() == {("front", "e1"), ("front", "e2")}, pairs
+    assert all(shared >= 2 for shared in pairs.values()), pairs
+    v = result["verdict"]
+    assert (v["party"], v["kind"], v["confidence"]) == ("proxy", "proxy_hung_on_reuse", "high")
+    assert "between tap front and tap e1 or tap e2" in v["summary"], v["summary"]
+    finding = result["findings"][0]
+    assert finding["requests"] == ["front/1/5"]
+    assert any(
+        line.startswith("never seen at tap e1 or tap e2, which saw") for line in finding["evidence"]
+    )

@@ -82,6 +82,7 @@ class RequestRow:
     keep_alive: bool | None = None
     after_close: bool = False  # sent after the previous response said Connection: close
     body_sha256: str | None = None
+    content_sha256: str | None = None  # what it asks, canonical (bodies.content_digest)
     # SSE arrival statistics (per event, from the body records)
     first_event: float | None = None
     last_event: float | None = None
@@ -418,6 +419,7 @@ class Summary:
                     req.max_tokens = event.max_tokens
                     req.messages = event.messages
                     req.body_sha256 = event.body_sha256
+                    req.content_sha256 = event.content_sha256
             case ev.ResponseHead():
                 req = self._request(event.tap, event.conn, event.seq, event.t)
                 if req is not None:

@@ -29,6 +29,8 @@ from . import events as ev
 
 BodyEncoding = Literal["utf-8", "base64"]
 OPENAI_FIELDS = ("model", "stream", "max_tokens", "messages")
+# What a request asks, by API: chat, completions, responses / embeddings, SGLang's native
+CONTENT_FIELDS = ("messages", "prompt", "input", "text", "input_ids")
 
 SHARE_MIN_CHARS = 4096
 """A shared prefix shorter than this is written out (a reference would save little)."""
@@ -80,7 +82,35 @@ def openai_fields(body: bytes) -> dict[str, Any]:
     messages = obj.get("messages")
     if isinstance(messages, list):
         out["messages"] = len(messages)
+    content = content_digest(obj)
+    if content is not None:
+        out["content_sha256"] = content
     return out
+
+
+def content_digest(obj: dict[str, Any]) -> str | None:
+    """SHA-256 of what a request asks (its ``CONTENT_FIELDS`` entry) in canonical JSON:
+    keys sorted, compact, nulls left out of message objects.
+
+    A hop that parses and re-writes request bodies (the SGLang router adds its defaults,
+    renames ``max_tokens`` and reorders the keys) changes the body's hash but not this,
+    so the analysis can join the requests of taps on both sides of it without request ids.
+    """
+    for name in CONTENT_FIELDS:
+        value = obj.get(name)
+        if value is None:
+            continue
+        if isinstance(value, list):
+            value = [
+                {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
+                for m in value
+            ]
+        try:
+            canonical = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+        except TypeError:  # what orjson refuses (integers beyond 64 bits)
+            canonical = json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(name.encode() + b"=" + canonical).hexdigest()
+    return None
 
 
 class RequestBody:

@@ -241,6 +241,8 @@ class RequestEnd(Event):
     stream: bool | None = None
     max_tokens: int | None = None
     messages: int | None = None
+    # what it asks, canonical: what joins it across a hop that re-writes bodies (bodies.py)
+    content_sha256: str | None = None
 
 
 @_register

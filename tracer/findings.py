@@ -33,7 +33,7 @@ import math
 import statistics
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -285,18 +285,30 @@ def _shared_clock(taps: list[dict[str, Any]]) -> bool:
     return max(offsets) - min(offsets) <= 0.001
 
 
-def _repeated_prints(by_print: Iterable[tuple[Any, ...]]) -> set[str]:
-    """The fingerprints some tap saw 2..``TIME_JOINED_REPEATS`` times and none more often
-    (the first ``TIME_JOINED_PRINTS`` of them): the ones ``_join`` groups by time.
-    ``by_print`` is sorted by tap, fingerprint, start."""
+def _print_keys(
+    by_print: Iterable[tuple[Any, ...]], retries: bool
+) -> Iterator[tuple[str, int, tuple[Any, ...]]]:
+    """(join key, its occurrence number at the tap, the item for ``_group_key`` without
+    its key) for each request joined by fingerprint: the fingerprint, with the SDK's retry
+    count when ``retries``. ``by_print`` is sorted by tap, fingerprint, start."""
+    run: tuple[Any, Any] | None = None
+    seen: dict[str, int] = {}
+    for tap, fingerprint, start, retry, *rest in by_print:
+        if run != (tap, fingerprint):
+            run, seen = (tap, fingerprint), {}
+        key = f"fp:{fingerprint} {retry}" if retries else f"fp:{fingerprint}"
+        n = seen[key] = seen.get(key, 0) + 1
+        yield key, n, (tap, start, *rest)
+
+
+def _repeated_prints(keys: Iterable[tuple[str, int, tuple[Any, ...]]]) -> set[str]:
+    """The keys some tap saw 2..``TIME_JOINED_REPEATS`` times and none more often (the
+    first ``TIME_JOINED_PRINTS`` of them): the ones ``_join`` groups by time."""
     most: dict[str, int] = {}
-    previous, n = None, 0
-    for tap, fingerprint, *_ in by_print:
-        n = n + 1 if previous == (tap, fingerprint) else 1
-        previous = (tap, fingerprint)
-        if n > 1 and (fingerprint in most or len(most) < TIME_JOINED_PRINTS):
-            most[fingerprint] = max(n, most.get(fingerprint, 0))
-    return {fp for fp, count in most.items() if count <= TIME_JOINED_REPEATS}
+    for key, n, _ in keys:
+        if n > 1 and (key in most or len(most) < TIME_JOINED_PRINTS):
+            most[key] = max(n, most.get(key, 0))
+    return {key for key, count in most.items() if count <= TIME_JOINED_REPEATS}
 
 
 def _relevant_at_front(r: RequestRow, end: float | None) -> bool:
@@ -339,6 +351,7 @@ class Context:
         self._mark_stats: dict[str, list[list[int]]] = {}
         self._groups: list[_Group] = []
         self._pairs: dict[tuple[str, str], _PairOrder] = defaultdict(_PairOrder)
+        self._retry_taps: set[str] = set()  # taps that saw the openai SDK's retry counts
         self._fresh: dict[int, tuple[int, RequestRow | None]] | None = None
         self._joined: tuple[list[dict[str, RequestRow]], dict[str, dict[str, RequestRow]]] | None
         self._joined = None
@@ -369,11 +382,15 @@ class Context:
                     rel = _relevant_at_front(r, end)
                     coal = _delivery_kind(r) == "coalesced"
                     end_at = r.end if r.end is not None else -1.0  # (-1: still open)
+                    if r.retry_count is not None:
+                        self._retry_taps.add(r.tap)
                     if r.request_id:
                         by_id.add((f"id:{r.request_id}", r.tap, r.start, pos, rel, coal, end_at))
-                    else:
-                        fingerprint = f"{r.method} {r.target} {r.body_sha256} {r.retry_count}"
-                        by_print.add((r.tap, fingerprint, r.start, pos, rel, coal, end_at))
+                    elif r.request_bytes:  # a request without a body has nothing to join by
+                        content = r.content_sha256 or r.body_sha256
+                        fingerprint = f"{r.method} {r.target} {content}"
+                        retry = -1 if r.retry_count is None else r.retry_count
+                        by_print.add((r.tap, fingerprint, r.start, retry, pos, rel, coal, end_at))
             if joining and len(self.counts) >= 2:
                 self._join(by_id, by_print)
         finally:
@@ -422,17 +439,15 @@ class Context:
         """
         shared = _shared_clock([self.e.taps.get(tap, {}) for tap in self.counts])
         slack = SHARED_CLOCK_SLACK if shared else JOIN_SLACK
-        by_time = _repeated_prints(by_print) if shared else {}
+        # a hop that drops the SDK's retry count (the SGLang router does) leaves it out
+        retries = self._retry_taps >= self.counts.keys()
+        by_time = _repeated_prints(_print_keys(by_print, retries)) if shared else set()
         keyed: SortedSpool[tuple[Any, ...]] = _tuple_spool()
         try:
             for item in by_id:
                 keyed.add(item)
-            previous, n = None, 0
-            for tap, fingerprint, start, pos, rel, coal, end_at in by_print:
-                n = n + 1 if previous == (tap, fingerprint) else 1
-                previous = (tap, fingerprint)
-                key = f"fp:{fingerprint}" if fingerprint in by_time else f"fp:{fingerprint}#{n}"
-                keyed.add((key, tap, start, pos, rel, coal, end_at))
+            for key, n, item in _print_keys(by_print, retries):
+                keyed.add((key if key in by_time else f"{key}#{n}", *item))
             group_key: str | None = None
             items: list[tuple[Any, ...]] = []
             for item in keyed:
@@ -508,29 +523,44 @@ class Context:
         return self._resolve()[1].get(r.id, {})
 
     def tap_pairs(self) -> list[dict[str, Any]]:
-        """Adjacent taps (client side first) and how much later the second saw requests."""
+        """Each tap and the taps one hop behind it (``next_taps``), client side first, and
+        how much later the second saw requests."""
         out: list[dict[str, Any]] = []
-        for a, b in itertools.pairwise(self.order):
-            pair, sign = (
-                (self._pairs.get((a, b)), 1.0) if a < b else (self._pairs.get((b, a)), -1.0)
-            )
-            median = pair.median() if pair is not None else None
-            out.append(
-                {
-                    "from": a,
-                    "to": b,
-                    "shared": 0 if pair is None else pair.positive + pair.other,
-                    "median_delay": None if median is None else round(sign * median, 6),
-                }
-            )
+        for a in self.order:
+            for b in self.next_taps(a):
+                pair, sign = (
+                    (self._pairs.get((a, b)), 1.0) if a < b else (self._pairs.get((b, a)), -1.0)
+                )
+                median = pair.median() if pair is not None else None
+                out.append(
+                    {
+                        "from": a,
+                        "to": b,
+                        "shared": self._shared(a, b),
+                        "median_delay": None if median is None else round(sign * median, 6),
+                    }
+                )
         return out
 
-    def tap_behind(self, tap: str) -> str | None:
-        """The next tap toward the engine."""
+    def _shared(self, a: str, b: str) -> int:
+        pair = self._pairs.get((a, b) if a < b else (b, a))
+        return 0 if pair is None else pair.positive + pair.other
+
+    def next_taps(self, tap: str) -> list[str]:
+        """The taps one hop behind ``tap`` toward the engine: the taps after it in order
+        that saw some of its requests, less those behind another of them (in a chain, the
+        next tap; behind a router, the tap in front of each engine it sends to, which see
+        none of each other's requests). Where no two taps saw a request in common, the
+        next in order."""
         if tap not in self.order:
-            return None
-        i = self.order.index(tap)
-        return self.order[i + 1] if i + 1 < len(self.order) else None
+            return []
+        later = self.order[self.order.index(tap) + 1 :]
+        if not any(pair.positive + pair.other for pair in self._pairs.values()):
+            return later[:1]
+        sharing = [t for t in later if self._shared(tap, t)]
+        return [
+            t for i, t in enumerate(sharing) if not any(self._shared(u, t) for u in sharing[:i])
+        ]
 
     def _resolve(
         self,
@@ -1168,8 +1198,8 @@ def analyze_delivery(ctx: Context) -> list[dict[str, Any]]:
         zero = r.zero_gaps / r.event_gaps
         spread = r.last_event - r.first_event
         duration = (r.end or r.last_event) - r.start
-        behind = ctx.tap_behind(r.tap) if kind == "coalesced" else None
-        steady = ctx.seen_with(r).get(behind) if behind else None
+        seen = ctx.seen_with(r) if kind == "coalesced" else {}
+        steady = next((seen[t] for t in ctx.next_taps(r.tap) if t in seen), None)
         if steady is not None and steady.event_gaps >= 8 and _delivery_kind(steady) is None:
             out.append(_coalesced_between(r, steady))
         elif kind == "coalesced":
@@ -1379,22 +1409,21 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
             folded[seen[teller].id] = [seen[t] for t in taps if t != teller]
             continue
         last = taps[-1]
+        behind = ctx.next_taps(last)
         if len(taps) < len(ctx.order):  # never reached the taps behind
-            missing = [t for t in ctx.order if t not in seen]
-            after = missing[0]
-            stopped = rank[after] > rank[last]  # at a hop, not at a tap that saw it
+            # at a hop (none of the taps one hop behind the last that saw it got it), not
+            # at a tap that saw it
+            stopped = bool(behind) and not any(t in seen for t in behind)
+            after = " or tap ".join(behind)
+            never = _never_seen(behind, ctx.counts)
             if stopped and _error_status(seen[last]):
-                extra.append(_answered_alone(seen[last], after, ctx.counts.get(after, 0)))
+                extra.append(_answered_alone(seen[last], after, never))
                 replaced.update(r.id for r in rows)
                 continue
             if stopped:
                 view = ctx.engine_view(*(window or (front.start, front.end or front.start)))
                 kind = "proxy_hung_on_reuse" if seen[last].reused else "proxy_swallowed_request"
-                evidence = [_req_quote(seen[t]) for t in taps] + [
-                    f"never seen at tap {after}, which saw "
-                    f"{ctx.counts.get(after, 0)} other request(s)",
-                    _outcome_quote(front),
-                ]
+                evidence = [_req_quote(seen[t]) for t in taps] + [never, _outcome_quote(front)]
                 if view.known:
                     evidence.append(view.quote())
                 ruled = [
@@ -1447,7 +1476,13 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
     return _fold(kept, folded) + extra
 
 
-def _answered_alone(r: RequestRow, after: str, others: int) -> dict[str, Any]:
+def _never_seen(taps: list[str], counts: dict[str, int]) -> str:
+    """The evidence line for a request none of ``taps`` saw."""
+    saw = " and ".join(str(counts.get(t, 0)) for t in taps)
+    return f"never seen at tap {' or tap '.join(taps)}, which saw {saw} other request(s)"
+
+
+def _answered_alone(r: RequestRow, after: str, never: str) -> dict[str, Any]:
     """An error status for a request the next tap toward the engine never saw: the hop
     answered it without forwarding it (a rate limit, an overload page, no upstream)."""
     return _finding(
@@ -1456,11 +1491,7 @@ def _answered_alone(r: RequestRow, after: str, others: int) -> dict[str, Any]:
         f"The hop between tap {r.tap} and tap {after} answered {r.status} itself: the "
         f"request never reached tap {after}.",
         [r],
-        [
-            _req_quote(r),
-            _outcome_quote(r),
-            f"never seen at tap {after}, which saw {others} other request(s)",
-        ],
+        [_req_quote(r), _outcome_quote(r), never],
         [{"party": "engine", "why": f"the request never reached tap {after}"}],
         "high",
         t=r.end,
