@@ -58,6 +58,7 @@ class Cap:
         status: int = 200,
         headers: list[list[str]] | None = None,
         duration: float | None = None,
+        first_event_after: float = 0.0,  # seconds from the response head to the first event
     ) -> None:
         if conn not in self._opened:
             self._opened.add(conn)
@@ -95,14 +96,16 @@ class Cap:
             if events:
                 self._e(
                     ev.BodyData,
-                    t + ttfb,
+                    t + ttfb + first_event_after,
                     conn=conn,
                     seq=seq,
                     size=100 * events,
                     reads=[[i * itl, 100, 1] for i in range(events)],
                     sse=sse,
                 )
-        done_at = t + (duration if duration is not None else (ttfb or 0.0) + events * itl)
+        done_at = t + (
+            duration if duration is not None else (ttfb or 0.0) + first_event_after + events * itl
+        )
         self._e(
             ev.ResponseEnd,
             done_at,
@@ -601,6 +604,43 @@ def test_a_body_sent_many_times_on_one_clock_joins_by_occurrence() -> None:
         back.exchange(1, i + 1, i * 0.5 + 0.002, idle=0.1 if i else 0.0)
     (pair,) = analyze(front, back)["evidence"]["tap_pairs"]
     assert (pair["shared"], pair["median_delay"]) == (TIME_JOINED_REPEATS + 4, 0.002)
+
+
+def _held_first_events(front_hold: float, back_hold: float) -> dict[str, Any]:
+    """Three streams on a reused connection through taps front and back, the first event
+    ``front_hold`` / ``back_hold`` seconds after the response head at each."""
+    front = Cap("front", upstream=PROXY)
+    back = Cap("back", upstream=ROUTER)
+    for seq in (1, 2, 3):
+        t, idle = seq * 1.0, 0.5 if seq > 1 else 0.0
+        front.exchange(1, seq, t, rid=f"r{seq}", idle=idle, first_event_after=front_hold)
+        back.exchange(1, seq, t + 0.002, rid=f"r{seq}", idle=idle, first_event_after=back_hold)
+    return analyze(front, back)
+
+
+def test_a_first_event_held_40_ms_between_two_taps_is_the_hop_between() -> None:
+    result = _held_first_events(0.041, 0.0002)
+    assert result["verdict"]["kind"] == "healthy"  # a note: latency, not a hang
+    (f,) = result["findings"]
+    assert (f["kind"], f["party"], f["confidence"], f["note"]) == (
+        "first_event_held",
+        "proxy",
+        "high",
+        True,
+    )
+    assert "between tap front and tap back" in f["summary"] and "about 41 ms" in f["summary"]
+    assert f["requests"][:2] == ["front/1/1", "back/1/1"]
+    assert f["evidence"][0].startswith("3 of the 3 requests both taps saw")
+
+
+@pytest.mark.parametrize(
+    ("front_hold", "back_hold"),
+    [(0.041, 0.040), (0.005, 0.0002), (0.500, 0.0002)],
+    ids=["the-engine's-own-first-token", "prompt-at-both", "longer-than-a-delayed-ack"],
+)
+def test_first_events_not_held_by_the_hop_between(front_hold: float, back_hold: float) -> None:
+    found = kinds(_held_first_events(front_hold, back_hold))
+    assert ("proxy", "first_event_held") not in found
 
 
 def _bunched(cap: Cap, t: float, *, bunched: bool) -> None:

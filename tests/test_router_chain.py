@@ -220,7 +220,10 @@ async def test_taps_in_front_of_each_engine_behind_the_router(tmp_path: Path) ->
     """A tap in front of the router and one in front of each of its two engines: the
     router sends each request to one of them, so the taps behind it see none of each
     other's requests. Each is one hop behind the front tap (not a chain of three), and
-    a request the hop in front of the router swallows never reached either of them."""
+    a request the hop in front of the router swallows never reached either of them.
+    The requests join although the router re-writes their bodies and drops the SDK's
+    retry count header; and the router, which does not set TCP_NODELAY, holds the first
+    event of streams on a reused connection ~40 ms (the front tap's delayed ACK)."""
     front, e1, e2 = (tmp_path / f"{name}.jsonl" for name in ("front", "e1", "e2"))
     async with (
         engine_running(ttft=0.0, itl=0.002) as w1,
@@ -245,11 +248,14 @@ async def test_taps_in_front_of_each_engine_behind_the_router(tmp_path: Path) ->
     ):  # fmt: skip
         body = {"model": "sim-model", "stream": True, "max_tokens": 4}
         async with httpx.AsyncClient(timeout=1.5) as client:
-            for i in range(6):
+            for i in range(10):
                 question = {"messages": [{"role": "user", "content": f"question {i}"}]}
                 try:
                     async with client.stream(
-                        "POST", front_tap.url + "/v1/chat/completions", json=body | question
+                        "POST",
+                        front_tap.url + "/v1/chat/completions",
+                        json=body | question,
+                        headers={"x-stainless-retry-count": "0"},  # the router drops it
                     ) as r:
                         async for _ in r.aiter_bytes():
                             pass
@@ -280,3 +286,9 @@ async def test_taps_in_front_of_each_engine_behind_the_router(tmp_path: Path) ->
     assert any(
         line.startswith("never seen at tap e1 or tap e2, which saw") for line in finding["evidence"]
     )
+    held = [f for f in result["findings"] if f["kind"] == "first_event_held"]
+    assert held, result["findings"]
+    for f in held:
+        assert f["party"] == "proxy" and f["note"] is True, f
+        assert f["summary"].startswith("The hop between tap front and tap e"), f["summary"]
+        assert all(r.startswith(("front/", "e1/", "e2/")) for r in f["requests"])

@@ -56,6 +56,12 @@ SHARED_CLOCK_SLACK = 0.005
 # occurrence, as without a shared clock. At most this many such fingerprints are kept.
 TIME_JOINED_REPEATS = 16
 TIME_JOINED_PRINTS = 10_000
+# A hop that writes a response's head and its first event separately without TCP_NODELAY
+# holds the event until the head's ACK, which the next host delays (Linux: 40 ms and up,
+# at most 200 ms): the first event comes that long after the head at the taps in front
+# of the hop, at once (within FIRST_EVENT_PROMPT) at the taps behind it.
+FIRST_EVENT_HELD = (0.030, 0.220)
+FIRST_EVENT_PROMPT = 0.010
 IDLE_REUSE_RACE = 1.0  # seconds idle before a request for a stale-connection race
 UPSTREAM_GONE = "upstream already closed"  # the observer's detail for such a request
 SPILL_ITEMS = 16384  # join records (a few small fields each) in memory before a run spills
@@ -273,6 +279,7 @@ class _Group:
     first: tuple[str, float, int]  # (tap, start, position): where the key appears first
     members: dict[str, tuple[float, int, bool, bool]]  # tap -> (start, position,
     # front-relevant, coalesced)
+    waits: dict[str, float] = field(default_factory=dict)  # tap -> _first_event_wait
 
 
 def _shared_clock(taps: list[dict[str, Any]]) -> bool:
@@ -325,6 +332,32 @@ def _error_status(r: RequestRow) -> bool:
     return r.status is not None and r.status >= 500 and not r.by_tracer
 
 
+def _first_event_wait(r: RequestRow) -> float:
+    """Seconds from a stream's response head to its first event (-1: not a stream)."""
+    if not r.sse or r.first_event is None or r.ttfb is None:
+        return -1.0
+    return r.first_event - r.start - r.ttfb
+
+
+class _Holds:
+    """First events one tap got late and another at once: how many, how late (the first
+    ``SAMPLE``), and the first few (their positions at the two taps)."""
+
+    SAMPLE = 1024
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.delays: list[float] = []
+        self.examples: list[tuple[int, int]] = []
+
+    def add(self, delay: float, positions: tuple[int, int]) -> None:
+        self.count += 1
+        if len(self.delays) < self.SAMPLE:
+            self.delays.append(delay)
+        if len(self.examples) < 3:
+            self.examples.append(positions)
+
+
 class Context:
     """What the analyzers need from the evidence, gathered in one pass over the rows.
 
@@ -352,6 +385,8 @@ class Context:
         self._groups: list[_Group] = []
         self._pairs: dict[tuple[str, str], _PairOrder] = defaultdict(_PairOrder)
         self._retry_taps: set[str] = set()  # taps that saw the openai SDK's retry counts
+        # (tap where first events came late, tap where they came at once) -> the holds
+        self.first_held: dict[tuple[str, str], _Holds] = defaultdict(_Holds)
         self._fresh: dict[int, tuple[int, RequestRow | None]] | None = None
         self._joined: tuple[list[dict[str, RequestRow]], dict[str, dict[str, RequestRow]]] | None
         self._joined = None
@@ -384,13 +419,16 @@ class Context:
                     end_at = r.end if r.end is not None else -1.0  # (-1: still open)
                     if r.retry_count is not None:
                         self._retry_taps.add(r.tap)
+                    wait = _first_event_wait(r)
                     if r.request_id:
-                        by_id.add((f"id:{r.request_id}", r.tap, r.start, pos, rel, coal, end_at))
+                        key = f"id:{r.request_id}"
+                        by_id.add((key, r.tap, r.start, pos, rel, coal, end_at, wait))
                     elif r.request_bytes:  # a request without a body has nothing to join by
                         content = r.content_sha256 or r.body_sha256
                         fingerprint = f"{r.method} {r.target} {content}"
                         retry = -1 if r.retry_count is None else r.retry_count
-                        by_print.add((r.tap, fingerprint, r.start, retry, pos, rel, coal, end_at))
+                        item = (r.tap, fingerprint, r.start, retry, pos, rel, coal, end_at, wait)
+                        by_print.add(item)
             if joining and len(self.counts) >= 2:
                 self._join(by_id, by_print)
         finally:
@@ -473,16 +511,19 @@ class Context:
         if len(set(taps)) == len(taps):
             _, tap, start, pos, *_ = items[0]
             members = {i[1]: (i[2], i[3], i[4], i[5]) for i in items}
-            self._close_group(_Group(first=(tap, start, pos), members=members))
+            waits = {i[1]: i[7] for i in items}
+            self._close_group(_Group(first=(tap, start, pos), members=members, waits=waits))
             return
         groups: list[tuple[_Group, float]] = []  # with the first request's end (inf: open)
-        for _, tap, start, pos, rel, coal, end_at in sorted(items, key=lambda i: i[2]):
+        for _, tap, start, pos, rel, coal, end_at, wait in sorted(items, key=lambda i: i[2]):
             for group, first_end in groups:
                 if tap not in group.members and start <= first_end + slack:
                     group.members[tap] = (start, pos, rel, coal)
+                    group.waits[tap] = wait
                     break
             else:
                 group = _Group(first=(tap, start, pos), members={tap: (start, pos, rel, coal)})
+                group.waits[tap] = wait
                 groups.append((group, end_at if end_at >= 0 else math.inf))
         for group, _ in groups:
             self._close_group(group)
@@ -494,8 +535,27 @@ class Context:
         for i, a in enumerate(taps):
             for b in taps[i + 1 :]:
                 self._pairs[(a, b)].add(group.members[b][0] - group.members[a][0])
+        waits = group.waits
+        lo, hi = FIRST_EVENT_HELD
+        for a, held in waits.items():
+            if lo <= held <= hi:
+                for b, prompt in waits.items():
+                    if 0 <= prompt <= FIRST_EVENT_PROMPT:
+                        pos = (group.members[a][1], group.members[b][1])
+                        self.first_held[(a, b)].add(held - prompt, pos)
         if any(rel or coal for _, _, rel, coal in group.members.values()):
             self._groups.append(group)
+
+    def rows_at(self, positions: Iterable[int]) -> dict[int, RequestRow]:
+        """The rows at these positions (one more pass over the rows for those that are
+        not among the interesting ones)."""
+        need = set(positions)
+        rows = {pos: self._positions[pos] for pos in need if pos in self._positions}
+        if need - rows.keys():
+            for pos, r in enumerate(self.e.requests):
+                if pos in need:
+                    rows[pos] = r
+        return rows
 
     def _tap_order(self) -> list[str]:
         """Taps from the client side to the engine side (by when they saw shared requests)."""
@@ -536,13 +596,13 @@ class Context:
                     {
                         "from": a,
                         "to": b,
-                        "shared": self._shared(a, b),
+                        "shared": self.shared(a, b),
                         "median_delay": None if median is None else round(sign * median, 6),
                     }
                 )
         return out
 
-    def _shared(self, a: str, b: str) -> int:
+    def shared(self, a: str, b: str) -> int:
         pair = self._pairs.get((a, b) if a < b else (b, a))
         return 0 if pair is None else pair.positive + pair.other
 
@@ -557,10 +617,8 @@ class Context:
         later = self.order[self.order.index(tap) + 1 :]
         if not any(pair.positive + pair.other for pair in self._pairs.values()):
             return later[:1]
-        sharing = [t for t in later if self._shared(tap, t)]
-        return [
-            t for i, t in enumerate(sharing) if not any(self._shared(u, t) for u in sharing[:i])
-        ]
+        sharing = [t for t in later if self.shared(tap, t)]
+        return [t for i, t in enumerate(sharing) if not any(self.shared(u, t) for u in sharing[:i])]
 
     def _resolve(
         self,
@@ -578,12 +636,7 @@ class Context:
                 fronts.append(g)
             if any(coal for _, _, _, coal in g.members.values()):
                 bunched.append(g)
-        need = {pos for g in fronts + bunched for _, pos, _, _ in g.members.values()}
-        rows = {pos: self._positions[pos] for pos in need if pos in self._positions}
-        if need - rows.keys():
-            for pos, r in enumerate(self.e.requests):
-                if pos in need:
-                    rows[pos] = r
+        rows = self.rows_at(pos for g in fronts + bunched for _, pos, _, _ in g.members.values())
 
         def seen(g: _Group) -> dict[str, RequestRow]:
             return {tap: rows[pos] for tap, (_, pos, _, _) in g.members.items()}
@@ -1277,6 +1330,54 @@ def _coalesced_between(r: RequestRow, steady: RequestRow) -> dict[str, Any]:
     )
 
 
+def analyze_first_events(ctx: Context) -> list[dict[str, Any]]:
+    """First events held ~40 ms by the hop between two taps (no TCP_NODELAY meeting a
+    delayed ACK): late after the response head at one tap, at once at the next toward the
+    engine, for the same requests. A note (a latency the hop adds to every such stream,
+    not why anything hung), one per hop, when it happened to at least 2 streams and a
+    tenth of those both taps saw."""
+    out: list[dict[str, Any]] = []
+    for (a, b), holds in sorted(ctx.first_held.items()):
+        if b not in ctx.next_taps(a) or holds.count < 2 or holds.count * 10 < ctx.shared(a, b):
+            continue
+        rows = ctx.rows_at(p for pair in holds.examples for p in pair)
+        examples = sorted(
+            ((rows[p], rows[q]) for p, q in holds.examples if p in rows and q in rows),
+            key=lambda pair: pair[0].start,
+        )
+        delays = sorted(holds.delays)
+        median = delays[len(delays) // 2]
+        evidence = [
+            f"{holds.count} of the {ctx.shared(a, b)} requests both taps saw; the first event "
+            f"{median * 1000:.0f} ms later at tap {a} than at tap {b} (median; "
+            f"{delays[0] * 1000:.0f} to {delays[-1] * 1000:.0f} ms)"
+        ]
+        for held, prompt in examples:
+            evidence += [
+                f"{_req_quote(held)}: first event "
+                f"{_first_event_wait(held) * 1000:.1f} ms after the response head",
+                f"at tap {b}: {_first_event_wait(prompt) * 1000:.1f} ms after its response head",
+            ]
+        out.append(
+            _finding(
+                "first_event_held",
+                "proxy",
+                f"The hop between tap {a} and tap {b} held the first event of {holds.count} "
+                f"stream(s) about {median * 1000:.0f} ms after the response head, which tap "
+                f"{b} got at once: it writes the two separately without TCP_NODELAY, and the "
+                "delayed ACK of the host in front holds the second (the SGLang router does "
+                "not set TCP_NODELAY).",
+                [r for pair in examples for r in pair],
+                evidence,
+                [{"party": "engine", "why": f"tap {b}, nearer the engine, got it at once"}],
+                "high",
+                note=True,
+                t=examples[0][0].start if examples else None,
+            )
+        )
+    return out
+
+
 def analyze_load(ctx: Context) -> list[dict[str, Any]]:
     """Slow first tokens while the engine was busy: load, with the figures — not a fault.
 
@@ -1383,6 +1484,7 @@ ANALYZERS = [
     analyze_client_connections,
     analyze_upstream_endings,
     analyze_delivery,
+    analyze_first_events,
     analyze_load,
     analyze_marks,
 ]
