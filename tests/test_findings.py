@@ -643,6 +643,43 @@ def test_first_events_not_held_by_the_hop_between(front_hold: float, back_hold: 
     assert ("proxy", "first_event_held") not in found
 
 
+def _one_tap_first_events(fresh_hold: float, reused_hold: float) -> dict[str, Any]:
+    """Two connections of three streams each at one tap: the first event ``fresh_hold``
+    after the head on a connection's first request, ``reused_hold`` on the others."""
+    cap = Cap("front", upstream=ROUTER)
+    for conn in (1, 2):
+        for seq in (1, 2, 3):
+            hold = fresh_hold if seq == 1 else reused_hold
+            t = conn * 10.0 + seq
+            cap.exchange(conn, seq, t, idle=0.5 if seq > 1 else 0.0, first_event_after=hold)
+    return analyze(cap)
+
+
+def test_first_events_held_on_reused_connections_only_at_one_tap() -> None:
+    result = _one_tap_first_events(0.0005, 0.041)
+    assert result["verdict"]["kind"] == "healthy"
+    (f,) = result["findings"]
+    assert (f["kind"], f["party"], f["confidence"], f["note"]) == (
+        "first_event_held",
+        "proxy",
+        "medium",
+        True,
+    )
+    assert "4 stream(s) came about 41 ms after the response head at tap front" in f["summary"]
+    assert f["evidence"][:2] == [
+        "reused connections: the first event of 4 of 4 streams 41 ms after the response head "
+        "(median; 41 to 41 ms)",
+        "fresh connections: 2 of 2 within 10 ms",
+    ]
+
+
+@pytest.mark.parametrize(("fresh", "reused"), [(0.041, 0.041), (0.0005, 0.0005), (0.0005, 0.4)])
+def test_first_events_alike_on_fresh_and_reused_connections_are_not_held(
+    fresh: float, reused: float
+) -> None:
+    assert ("proxy", "first_event_held") not in kinds(_one_tap_first_events(fresh, reused))
+
+
 def _bunched(cap: Cap, t: float, *, bunched: bool) -> None:
     cap.exchange(1, 1, t, events=0)
     sse = []

@@ -292,3 +292,10 @@ async def test_taps_in_front_of_each_engine_behind_the_router(tmp_path: Path) ->
         assert f["party"] == "proxy" and f["note"] is True, f
         assert f["summary"].startswith("The hop between tap front and tap e"), f["summary"]
         assert all(r.startswith(("front/", "e1/", "e2/")) for r in f["requests"])
+    # the front tap alone: held on reused connections, at once on fresh ones
+    alone = await anyio.run_process(
+        [sys.executable, "-m", "tracer", "analyze", str(front), "--format", "json"]
+    )
+    (note,) = [f for f in json.loads(alone.stdout)["findings"] if f["kind"] == "first_event_held"]
+    assert (note["party"], note["confidence"], note["note"]) == ("proxy", "medium", True), note
+    assert note["summary"].startswith("On reused connections the first event of"), note

@@ -358,6 +358,45 @@ class _Holds:
             self.examples.append(positions)
 
 
+class _FreshReused:
+    """One tap's streams by how soon their first event came after the response head: on
+    fresh connections at once (within ``FIRST_EVENT_PROMPT``) or not, on reused ones
+    within ``FIRST_EVENT_HELD`` or not; the held ones' waits (the first ``SAMPLE``) and
+    the first few of each kind (positions)."""
+
+    SAMPLE = 1024
+
+    def __init__(self) -> None:
+        self.fresh = self.fresh_prompt = self.reused = self.reused_held = 0
+        self.waits: list[float] = []
+        self.examples: dict[bool, list[int]] = {False: [], True: []}  # reused -> positions
+
+    def add(self, reused: bool, wait: float, pos: int) -> None:
+        if reused:
+            self.reused += 1
+            fits = FIRST_EVENT_HELD[0] <= wait <= FIRST_EVENT_HELD[1]
+            self.reused_held += fits
+            if fits and len(self.waits) < self.SAMPLE:
+                self.waits.append(wait)
+        else:
+            self.fresh += 1
+            fits = wait <= FIRST_EVENT_PROMPT
+            self.fresh_prompt += fits
+        if fits and len(self.examples[reused]) < 2:
+            self.examples[reused].append(pos)
+
+    @property
+    def pattern(self) -> bool:
+        """Most streams on reused connections held, most on fresh ones not: the hold
+        depends on the connection, not on the engine's first token."""
+        return (
+            self.reused_held >= 3
+            and self.reused_held * 2 >= self.reused
+            and self.fresh_prompt >= 1
+            and self.fresh_prompt * 2 >= self.fresh
+        )
+
+
 class Context:
     """What the analyzers need from the evidence, gathered in one pass over the rows.
 
@@ -387,6 +426,8 @@ class Context:
         self._retry_taps: set[str] = set()  # taps that saw the openai SDK's retry counts
         # (tap where first events came late, tap where they came at once) -> the holds
         self.first_held: dict[tuple[str, str], _Holds] = defaultdict(_Holds)
+        # per tap: how soon first events came after the head, fresh against reused
+        self.first_waits: dict[str, _FreshReused] = defaultdict(_FreshReused)
         self._fresh: dict[int, tuple[int, RequestRow | None]] | None = None
         self._joined: tuple[list[dict[str, RequestRow]], dict[str, dict[str, RequestRow]]] | None
         self._joined = None
@@ -413,13 +454,15 @@ class Context:
                 self.counts[r.tap] += 1
                 if self.marks:
                     self._count_marks(r)
+                wait = _first_event_wait(r)
+                if wait >= 0:
+                    self.first_waits[r.tap].add(r.reused, wait, pos)
                 if joining:
                     rel = _relevant_at_front(r, end)
                     coal = _delivery_kind(r) == "coalesced"
                     end_at = r.end if r.end is not None else -1.0  # (-1: still open)
                     if r.retry_count is not None:
                         self._retry_taps.add(r.tap)
-                    wait = _first_event_wait(r)
                     if r.request_id:
                         key = f"id:{r.request_id}"
                         by_id.add((key, r.tap, r.start, pos, rel, coal, end_at, wait))
@@ -1378,6 +1421,54 @@ def analyze_first_events(ctx: Context) -> list[dict[str, Any]]:
     return out
 
 
+def analyze_reused_first_events(ctx: Context) -> list[dict[str, Any]]:
+    """One tap alone: first events held 30-220 ms after the head on reused connections and
+    not on fresh ones (which start in quick-ACK mode: the delayed ACK that holds a write
+    Nagle keeps back comes only later on a connection). The engine's first token does not
+    depend on which connection a request came on. A note, medium confidence; not told
+    for a tap that ``analyze_first_events`` told it for already."""
+    told = {a for (a, b), holds in ctx.first_held.items() if b in ctx.next_taps(a)}
+    out: list[dict[str, Any]] = []
+    for tap, stats in sorted(ctx.first_waits.items()):
+        if tap in told or not stats.pattern:
+            continue
+        rows = ctx.rows_at(stats.examples[True] + stats.examples[False])
+        quoted = sorted(rows.values(), key=lambda r: r.start)
+        waits = sorted(stats.waits)
+        median = waits[len(waits) // 2]
+        party = "engine" if quoted and ctx.upstream_is_serving(quoted[0]) else "proxy"
+        evidence = [
+            f"reused connections: the first event of {stats.reused_held} of {stats.reused} "
+            f"streams {median * 1000:.0f} ms after the response head (median; "
+            f"{waits[0] * 1000:.0f} to {waits[-1] * 1000:.0f} ms)",
+            f"fresh connections: {stats.fresh_prompt} of {stats.fresh} within "
+            f"{FIRST_EVENT_PROMPT * 1000:.0f} ms",
+        ]
+        evidence += [
+            f"{_req_quote(r)}: first event {_first_event_wait(r) * 1000:.1f} ms after the "
+            "response head"
+            for r in quoted
+        ]
+        out.append(
+            _finding(
+                "first_event_held",
+                party,
+                f"On reused connections the first event of {stats.reused_held} stream(s) "
+                f"came about {median * 1000:.0f} ms after the response head at tap {tap}, on "
+                "fresh ones at once: the hop upstream writes the two separately without "
+                "TCP_NODELAY and the tap's delayed ACK holds the second (the SGLang router "
+                "does not set TCP_NODELAY). A tap behind that hop would confirm it.",
+                quoted,
+                evidence,
+                [],
+                "medium",
+                note=True,
+                t=quoted[0].start if quoted else None,
+            )
+        )
+    return out
+
+
 def analyze_load(ctx: Context) -> list[dict[str, Any]]:
     """Slow first tokens while the engine was busy: load, with the figures — not a fault.
 
@@ -1485,6 +1576,7 @@ ANALYZERS = [
     analyze_upstream_endings,
     analyze_delivery,
     analyze_first_events,
+    analyze_reused_first_events,
     analyze_load,
     analyze_marks,
 ]
