@@ -278,6 +278,7 @@ async def test_taps_in_front_of_each_engine_behind_the_router(tmp_path: Path) ->
     pairs = {(p["from"], p["to"]): p["shared"] for p in result["evidence"]["tap_pairs"]}
     assert pairs.keys() == {("front", "e1"), ("front", "e2")}, pairs
     assert all(shared >= 2 for shared in pairs.values()), pairs
+    assert all(p["one_clock"] for p in result["evidence"]["tap_pairs"])  # one machine
     v = result["verdict"]
     assert (v["party"], v["kind"], v["confidence"]) == ("proxy", "proxy_hung_on_reuse", "high")
     assert "between tap front and tap e1 or tap e2" in v["summary"], v["summary"]

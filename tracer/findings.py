@@ -336,7 +336,7 @@ def _first_event_wait(r: RequestRow) -> float:
     """Seconds from a stream's response head to its first event (-1: not a stream)."""
     if not r.sse or r.first_event is None or r.ttfb is None:
         return -1.0
-    return r.first_event - r.start - r.ttfb
+    return max(0.0, r.first_event - r.start - r.ttfb)  # (both rounded: -1e-7 is at once)
 
 
 class _Holds:
@@ -635,12 +635,14 @@ class Context:
                     (self._pairs.get((a, b)), 1.0) if a < b else (self._pairs.get((b, a)), -1.0)
                 )
                 median = pair.median() if pair is not None else None
+                one_clock = _shared_clock([self.e.taps.get(a, {}), self.e.taps.get(b, {})])
                 out.append(
                     {
                         "from": a,
                         "to": b,
                         "shared": self.shared(a, b),
                         "median_delay": None if median is None else round(sign * median, 6),
+                        "one_clock": one_clock,
                     }
                 )
         return out

@@ -191,7 +191,12 @@ def write_text(result: dict[str, Any], out: TextIO, *, width: int = 200) -> None
             if delay is None
             else (
                 f"requests reach {pair['to']} {delay * 1000:+.1f} ms after {pair['from']} "
-                f"(median over {pair['shared']} shared; clock offset plus the hop's transit)"
+                f"(median over {pair['shared']} shared; "
+                + (
+                    "one clock: the hop's transit)"
+                    if pair.get("one_clock")
+                    else "clock offset plus the hop's transit)"
+                )
             )
         )
         console.print(f"tap order: {pair['from']} -> {pair['to']}: {seen}")
