@@ -683,6 +683,23 @@ def test_first_events_alike_on_fresh_and_reused_connections_are_not_held(
     assert ("proxy", "first_event_held") not in kinds(_one_tap_first_events(fresh, reused))
 
 
+def test_taps_that_share_no_request_are_not_taken_for_a_chain() -> None:
+    """The taps in front of two engines, analysed without the router's tap: each saw its
+    own requests only. A request hung at one was not 'swallowed by the hop' to the other."""
+    e1, e2 = Cap("e1", upstream=ENGINE), Cap("e2", upstream=ENGINE)
+    for i in range(3):
+        e1.exchange(1, i + 1, i * 1.0, rid=f"a{i}", idle=0.5 if i else 0.0)
+        e2.exchange(1, i + 1, i * 1.0 + 0.3, rid=f"b{i}", idle=0.5 if i else 0.0)
+    e1.exchange(1, 4, 3.0, rid="a3", idle=0.5, end=None)
+    e1.stall(1, 4, 3.0, None)
+    result = analyze(e1, e2)
+    assert not [f for f in result["findings"] if f["party"] == "proxy"], result["findings"]
+    assert result["verdict"]["kind"] == "upstream_silent"
+    assert result["evidence"]["tap_pairs"] == [
+        {"from": "e1", "to": "e2", "shared": 0, "median_delay": None, "one_clock": False}
+    ]
+
+
 def _bunched(cap: Cap, t: float, *, bunched: bool) -> None:
     cap.exchange(1, 1, t, events=0)
     sse = []

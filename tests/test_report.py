@@ -29,6 +29,7 @@ from PIL import Image
 from tracer.analysis import RequestRow, Summary
 from tracer.capture import read_events
 from tracer.cli import main
+from tracer.report import _Clock
 from tracer.sim.harness import HarnessConfig, run_harness
 from tracer.timeline import LANE_COLOUR
 
@@ -420,3 +421,10 @@ def test_bad_hang_time_is_named(
     assert main(["report", str(incident.front), "-o", str(out), "--hang-at", "yesterday"]) == 2
     assert "--hang-at yesterday: not ISO 8601" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_times_before_the_capture_start_keep_their_sign() -> None:
+    """An engine window opens 1.5 s before a finding near the start: '-0.092 s', not
+    '+-0.092 s'."""
+    clock = _Clock(100.0)
+    assert (clock.rel(99.908), clock.rel(101.25), clock.rel(None)) == ("-0.092 s", "+1.250 s", "-")

@@ -629,8 +629,9 @@ class Context:
         """Each tap and the taps one hop behind it (``next_taps``), client side first, and
         how much later the second saw requests."""
         out: list[dict[str, Any]] = []
-        for a in self.order:
-            for b in self.next_taps(a):
+        joined = any(pair.positive + pair.other for pair in self._pairs.values())
+        for a in self.order:  # (nothing joined: each next in order, none shared)
+            for b in self.next_taps(a) if joined else self.order[self.order.index(a) + 1 :][:1]:
                 pair, sign = (
                     (self._pairs.get((a, b)), 1.0) if a < b else (self._pairs.get((b, a)), -1.0)
                 )
@@ -655,13 +656,12 @@ class Context:
         """The taps one hop behind ``tap`` toward the engine: the taps after it in order
         that saw some of its requests, less those behind another of them (in a chain, the
         next tap; behind a router, the tap in front of each engine it sends to, which see
-        none of each other's requests). Where no two taps saw a request in common, the
-        next in order."""
+        none of each other's requests). None where no two taps saw a request in common:
+        nothing then says that one tap is behind another (two taps in front of two
+        engines, analysed without the router's tap, are not a chain)."""
         if tap not in self.order:
             return []
         later = self.order[self.order.index(tap) + 1 :]
-        if not any(pair.positive + pair.other for pair in self._pairs.values()):
-            return later[:1]
         sharing = [t for t in later if self.shared(tap, t)]
         return [t for i, t in enumerate(sharing) if not any(self.shared(u, t) for u in sharing[:i])]
 

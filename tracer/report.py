@@ -522,7 +522,7 @@ class _Clock:
         self.origin = origin
 
     def rel(self, t: float | None) -> str:
-        return "-" if t is None else f"+{t - self.origin:.3f} s"
+        return "-" if t is None else f"{t - self.origin:+.3f} s"
 
     def quote(self, text: str) -> str:
         """``t=1796008676.953`` -> ``t=1796008676.953 (+1.629 s)``."""
