@@ -255,3 +255,58 @@ async def test_an_untrusted_upstream_certificate_is_named(tmp_path: Path) -> Non
     assert finding["kind"] == "upstream_unreachable"
     assert finding["summary"] == "The tap's TLS handshake with its upstream failed."
     assert doc["requests"][0]["termination"] == "tracer_response"
+
+
+@pytest.mark.anyio
+async def test_upstream_mode_chained_to_another_forward_proxy(tmp_path: Path) -> None:
+    """``--mode upstream:`` sends every request on to another forward proxy (here a second
+    mitmdump with the addon, in regular mode, in front of the engine). Traced as in
+    regular mode; the header names no upstream (origin-form requests cannot be replayed
+    to a forward proxy), its connections went to the next proxy, and the two captures
+    join: the engine's stall is told once, by the tap nearer the engine."""
+    front_dir, back_dir = tmp_path / "front", tmp_path / "back"
+    front_dir.mkdir()
+    back_dir.mkdir()
+    async with (
+        engine_running(ttft=0.01, itl=0.01) as engine,
+        mitmdump(None, back_dir, "--set", "tracer_tap=back", "--set", "tracer_stall_after=0.5")
+        as (back_url, back_capture),
+        mitmdump(
+            None,
+            front_dir,
+            "--mode",
+            f"upstream:{back_url}",
+            "--set",
+            "tracer_tap=front",
+            "--set",
+            "tracer_stall_after=0.5",
+        ) as (front_url, front_capture),
+    ):  # fmt: skip
+        async with httpx.AsyncClient(proxy=front_url, timeout=10) as http:
+            client = openai.AsyncOpenAI(
+                base_url=f"{engine.url}/v1", api_key="x", http_client=http, max_retries=0
+            )
+            assert await _stream(client, "up-1")
+            assert await _stream(client, "up-2", "stall:after=2:for=1.2")
+            assert await _stream(client, "up-3")
+        for capture in (front_capture, back_capture):
+            await wait_until(lambda c=capture: _count(c, "response_end") >= 3, 10)
+    front = list(read_records(front_capture))
+    (start,) = [r for r in front if r["type"] == "capture_start"]
+    assert start["options"]["mode"] == [f"upstream:{back_url}"]
+    assert "upstream" not in start  # nothing to replay to
+    back_port = back_url.rsplit(":", 1)[1]
+    connects = [r for r in front if r["type"] == "upstream_connect" and r.get("addr")]
+    assert connects and all(r["addr"] == f"127.0.0.1:{back_port}" for r in connects)
+    assert [r["target"] for r in front if r["type"] == "request"] == [
+        "/v1/chat/completions"
+    ] * 3  # origin-form, as the engine gets it
+
+    doc = analyze_json(front_capture, back_capture)
+    assert [(p["from"], p["to"], p["shared"]) for p in doc["evidence"]["tap_pairs"]] == [
+        ("front", "back", 3)
+    ]
+    stalled = [f for f in doc["findings"] if f["kind"] == "upstream_silent"]
+    assert len(stalled) == 1, doc["findings"]
+    assert stalled[0]["requests"][0].startswith("back/"), stalled[0]
+    assert not [f for f in doc["findings"] if f["party"] == "proxy" and not f["note"]]
