@@ -621,6 +621,9 @@ def _held_first_events(front_hold: float, back_hold: float) -> dict[str, Any]:
 def test_a_first_event_held_40_ms_between_two_taps_is_the_hop_between() -> None:
     result = _held_first_events(0.041, 0.0002)
     assert result["verdict"]["kind"] == "healthy"  # a note: latency, not a hang
+    assert result["verdict"]["summary"] == (
+        "No fault found in the captures. 1 note(s): first_event_held."
+    )
     (f,) = result["findings"]
     assert (f["kind"], f["party"], f["confidence"], f["note"]) == (
         "first_event_held",
@@ -698,6 +701,44 @@ def test_taps_that_share_no_request_are_not_taken_for_a_chain() -> None:
     assert result["evidence"]["tap_pairs"] == [
         {"from": "e1", "to": "e2", "shared": 0, "median_delay": None, "one_clock": False}
     ]
+
+
+def test_a_5xx_behind_a_tap_whose_client_was_answered_is_a_note() -> None:
+    """The tap behind a proxy saw a 500; the proxy answered its client 200 anyway (a
+    cache, a fallback): the engine's error is told, as a note."""
+    front, back = Cap("front", upstream=PROXY), Cap("back", upstream=ROUTER)
+    front.exchange(1, 1, 1.0, rid="r1")
+    back.exchange(1, 1, 1.002, rid="r1", status=500, events=0)
+    result = analyze(front, back)
+    assert result["verdict"]["kind"] == "healthy", result["findings"]
+    (f,) = result["findings"]
+    assert (f["kind"], f["note"], f["requests"]) == ("engine_error_status", True, ["back/1/1"])
+    assert f["summary"].endswith(
+        "The client did not see it: a hop in front answered the client anyway."
+    )
+    assert f["evidence"][-1].startswith("back/1/1: its copy at tap front (front/1/1) was answered")
+
+
+def test_a_request_sent_again_to_another_engine_is_not_a_chain_of_taps() -> None:
+    """On one clock: engine 1's tap saw the request and answered 500 before engine 2's saw
+    it (the router's retry). The two engine taps are each one hop behind the front tap;
+    seen one after the other, they are not a chain."""
+    caps = [Cap(tap, upstream=up, boot_id="boot-1") for tap, up in
+            (("front", ROUTER), ("e1", ENGINE), ("e2", ENGINE))]  # fmt: skip
+    front, e1, e2 = caps
+    for i in range(3):
+        t = 1.0 + i
+        front.exchange(1, i + 1, t, rid=f"r{i}", idle=0.5 if i else 0.0, ttfb=0.06)
+        e1.exchange(1, i + 1, t + 0.001, rid=f"r{i}", status=500, events=0, ttfb=0.001)
+        e2.exchange(1, i + 1, t + 0.05, rid=f"r{i}", idle=0.5 if i else 0.0)
+    result = analyze(*caps)
+    pairs = {(p["from"], p["to"]): p["shared"] for p in result["evidence"]["tap_pairs"]}
+    assert pairs == {("front", "e1"): 3, ("front", "e2"): 3}
+    assert result["verdict"]["kind"] == "healthy"
+    assert {f["kind"] for f in result["findings"]} == {"engine_error_status"}
+    assert all(
+        "sent again to tap e2, which answered it" in f["evidence"][-1] for f in result["findings"]
+    )
 
 
 def _bunched(cap: Cap, t: float, *, bunched: bool) -> None:

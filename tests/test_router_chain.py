@@ -12,15 +12,17 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
 import pytest
 
 from tracer.capture import read_records
+from tracer.sim.engine import parse_fault
 from tracer.sim.harness import HarnessConfig, run_harness
 
 from .conftest import wait_until
@@ -215,18 +217,16 @@ async def test_poller_sees_load_rise_and_fall(tmp_path: Path) -> None:
     assert loads and max(s["running"] for s in loads) == 2
 
 
-@pytest.mark.skipif(not SMG.exists(), reason="smg (sglang-router) is not installed")
-async def test_taps_in_front_of_each_engine_behind_the_router(tmp_path: Path) -> None:
-    """A tap in front of the router and one in front of each of its two engines: the
-    router sends each request to one of them, so the taps behind it see none of each
-    other's requests. Each is one hop behind the front tap (not a chain of three), and
-    a request the hop in front of the router swallows never reached either of them.
-    The requests join although the router re-writes their bodies and drops the SDK's
-    retry count header; and the router, which does not set TCP_NODELAY, holds the first
-    event of streams on a reused connection ~40 ms (the front tap's delayed ACK)."""
+@asynccontextmanager
+async def taps_around_the_router(
+    tmp_path: Path, *, e1_faults: Sequence[str] = (), hop_fault: str | None = None
+) -> AsyncIterator[tuple[str, list[Path]]]:
+    """Two simulated engines, a tap in front of each (e1, e2), the real router in front of
+    both taps, optionally a `tracer proxy --fault` hop, and a tap in front of it all
+    (front); yields the front tap's URL and the captures (front, e1, e2)."""
     front, e1, e2 = (tmp_path / f"{name}.jsonl" for name in ("front", "e1", "e2"))
     async with (
-        engine_running(ttft=0.0, itl=0.002) as w1,
+        engine_running(ttft=0.0, itl=0.002, faults=[parse_fault(f) for f in e1_faults]) as w1,
         engine_running(ttft=0.0, itl=0.002) as w2,
         tracer_proxy(
             "proxy", "--listen", "127.0.0.1:0", "--upstream", w1.url,
@@ -239,42 +239,64 @@ async def test_taps_in_front_of_each_engine_behind_the_router(tmp_path: Path) ->
         router(tmp_path, tap1.url, tap2.url) as (router_url, _),
         tracer_proxy(
             "proxy", "--listen", "127.0.0.1:0", "--upstream", router_url,
-            "--tap", "hop", "--fault", "drop-request@times=1,pos=5",
+            "--tap", "hop", *(["--fault", hop_fault] if hop_fault else []),
         ) as hop,
         tracer_proxy(
             "proxy", "--listen", "127.0.0.1:0", "--upstream", hop.url,
             "--tap", "front", "--capture", str(front), "--stall-after", "0.5",
         ) as front_tap,
     ):  # fmt: skip
-        body = {"model": "sim-model", "stream": True, "max_tokens": 4}
-        async with httpx.AsyncClient(timeout=1.5) as client:
-            for i in range(10):
-                question = {"messages": [{"role": "user", "content": f"question {i}"}]}
-                try:
-                    async with client.stream(
-                        "POST",
-                        front_tap.url + "/v1/chat/completions",
-                        json=body | question,
-                        headers={"x-stainless-retry-count": "0"},  # the router drops it
-                    ) as r:
-                        async for _ in r.aiter_bytes():
-                            pass
-                except httpx.ReadTimeout:
-                    assert i == 4  # the one the hop swallowed
+        yield front_tap.url, [front, e1, e2]
+
+
+async def _questions(url: str, n: int, *, timeout: float = 5.0) -> list[int | None]:
+    """``n`` streamed chat requests on one keep-alive client, each its own question, with
+    the openai SDK's retry count header; the status of each (None: timed out)."""
+    body = {"model": "sim-model", "stream": True, "max_tokens": 4}
+    statuses: list[int | None] = []
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        for i in range(n):
+            question = {"messages": [{"role": "user", "content": f"question {i}"}]}
+            try:
+                async with client.stream(
+                    "POST",
+                    url + "/v1/chat/completions",
+                    json=body | question,
+                    headers={"x-stainless-retry-count": "0"},  # the router drops it
+                ) as r:
+                    async for _ in r.aiter_bytes():
+                        pass
+                    statuses.append(r.status_code)
+            except httpx.ReadTimeout:
+                statuses.append(None)
+    return statuses
+
+
+async def _analyze(*captures: Path) -> dict[str, Any]:
     done = await anyio.run_process(
-        [
-            sys.executable,
-            "-m",
-            "tracer",
-            "analyze",
-            str(front),
-            str(e1),
-            str(e2),
-            "--format",
-            "json",
-        ]
+        [sys.executable, "-m", "tracer", "analyze", *map(str, captures), "--format", "json"]
     )
-    result = json.loads(done.stdout)
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+@pytest.mark.skipif(not SMG.exists(), reason="smg (sglang-router) is not installed")
+async def test_taps_in_front_of_each_engine_behind_the_router(tmp_path: Path) -> None:
+    """A tap in front of the router and one in front of each of its two engines: the
+    router sends each request to one of them, so the taps behind it see none of each
+    other's requests. Each is one hop behind the front tap (not a chain of three), and
+    a request the hop in front of the router swallows never reached either of them.
+    The requests join although the router re-writes their bodies and drops the SDK's
+    retry count header; and the router, which does not set TCP_NODELAY, holds the first
+    event of streams on a reused connection ~40 ms (the front tap's delayed ACK)."""
+    async with taps_around_the_router(tmp_path, hop_fault="drop-request@times=1,pos=5") as (
+        url,
+        captures,
+    ):
+        statuses = await _questions(url, 10, timeout=1.5)
+    assert [i for i, s in enumerate(statuses) if s is None] == [4]  # the one swallowed
+    front = captures[0]
+    result = await _analyze(*captures)
     pairs = {(p["from"], p["to"]): p["shared"] for p in result["evidence"]["tap_pairs"]}
     assert pairs.keys() == {("front", "e1"), ("front", "e2")}, pairs
     assert all(shared >= 2 for shared in pairs.values()), pairs
@@ -294,9 +316,31 @@ async def test_taps_in_front_of_each_engine_behind_the_router(tmp_path: Path) ->
         assert f["summary"].startswith("The hop between tap front and tap e"), f["summary"]
         assert all(r.startswith(("front/", "e1/", "e2/")) for r in f["requests"])
     # the front tap alone: held on reused connections, at once on fresh ones
-    alone = await anyio.run_process(
-        [sys.executable, "-m", "tracer", "analyze", str(front), "--format", "json"]
-    )
-    (note,) = [f for f in json.loads(alone.stdout)["findings"] if f["kind"] == "first_event_held"]
+    alone = await _analyze(front)
+    (note,) = [f for f in alone["findings"] if f["kind"] == "first_event_held"]
     assert (note["party"], note["confidence"], note["note"]) == ("proxy", "medium", True), note
     assert note["summary"].startswith("On reused connections the first event of"), note
+
+
+@pytest.mark.skipif(not SMG.exists(), reason="smg (sglang-router) is not installed")
+async def test_a_5xx_the_router_retries_on_another_engine_is_a_note(tmp_path: Path) -> None:
+    """Engine 1 answers 500 to everything; the router sends each such request again to
+    engine 2, and the client gets its answer. Engine 1's 500s are told, as notes: the
+    client never saw them. The taps in front of the engines saw the same requests, one
+    after the other: they are not a chain (each is one hop behind the front tap)."""
+    async with taps_around_the_router(tmp_path, e1_faults=["500"]) as (url, captures):
+        statuses = await _questions(url, 4)
+    assert statuses == [200] * 4
+    result = await _analyze(*captures)
+    assert result["verdict"]["kind"] == "healthy", result["findings"]
+    pairs = {(p["from"], p["to"]): p["shared"] for p in result["evidence"]["tap_pairs"]}
+    assert pairs.keys() == {("front", "e1"), ("front", "e2")}, pairs
+    errors = [f for f in result["findings"] if f["kind"] == "engine_error_status"]
+    assert len(errors) >= 2, result["findings"]  # round robin: half of them went to e1
+    for f in errors:
+        assert f["note"] is True and f["requests"][0].startswith("e1/"), f
+        assert f["summary"].endswith(
+            "The client did not see it: a hop in front sent the request again to another "
+            "engine, which answered."
+        ), f["summary"]
+        assert "sent again to tap e2, which answered it" in f["evidence"][-1], f["evidence"]

@@ -280,6 +280,7 @@ class _Group:
     members: dict[str, tuple[float, int, bool, bool]]  # tap -> (start, position,
     # front-relevant, coalesced)
     waits: dict[str, float] = field(default_factory=dict)  # tap -> _first_event_wait
+    ends: dict[str, float] = field(default_factory=dict)  # tap -> its end (inf: open)
 
 
 def _shared_clock(taps: list[dict[str, Any]]) -> bool:
@@ -337,6 +338,14 @@ def _first_event_wait(r: RequestRow) -> float:
     if not r.sse or r.first_event is None or r.ttfb is None:
         return -1.0
     return max(0.0, r.first_event - r.start - r.ttfb)  # (both rounded: -1e-7 is at once)
+
+
+# the groups of requests the analyzers ask about: those whose front copy went wrong, each
+# request as every tap saw it; by request id, the groups of bunched requests and those
+# that went wrong behind a front copy that was answered well
+_Joined = tuple[
+    list[dict[str, RequestRow]], dict[str, dict[str, RequestRow]], dict[str, dict[str, RequestRow]]
+]
 
 
 class _Holds:
@@ -424,13 +433,14 @@ class Context:
         self._groups: list[_Group] = []
         self._pairs: dict[tuple[str, str], _PairOrder] = defaultdict(_PairOrder)
         self._retry_taps: set[str] = set()  # taps that saw the openai SDK's retry counts
+        self._nested: dict[tuple[str, str], int] = defaultdict(int)  # see _close_group
+        self._slack = JOIN_SLACK  # the join's (SHARED_CLOCK_SLACK on one clock)
         # (tap where first events came late, tap where they came at once) -> the holds
         self.first_held: dict[tuple[str, str], _Holds] = defaultdict(_Holds)
         # per tap: how soon first events came after the head, fresh against reused
         self.first_waits: dict[str, _FreshReused] = defaultdict(_FreshReused)
         self._fresh: dict[int, tuple[int, RequestRow | None]] | None = None
-        self._joined: tuple[list[dict[str, RequestRow]], dict[str, dict[str, RequestRow]]] | None
-        self._joined = None
+        self._joined: _Joined | None = None
         self._serving_conns: set[tuple[str, int]] | None = None  # see upstream_is_serving
         self._scan()
         self.order = self._tap_order()
@@ -519,7 +529,7 @@ class Context:
         per tap, the next tap's copy of the second would be taken for the first.
         """
         shared = _shared_clock([self.e.taps.get(tap, {}) for tap in self.counts])
-        slack = SHARED_CLOCK_SLACK if shared else JOIN_SLACK
+        slack = self._slack = SHARED_CLOCK_SLACK if shared else JOIN_SLACK
         # a hop that drops the SDK's retry count (the SGLang router does) leaves it out
         retries = self._retry_taps >= self.counts.keys()
         by_time = _repeated_prints(_print_keys(by_print, retries)) if shared else set()
@@ -555,19 +565,21 @@ class Context:
             _, tap, start, pos, *_ = items[0]
             members = {i[1]: (i[2], i[3], i[4], i[5]) for i in items}
             waits = {i[1]: i[7] for i in items}
-            self._close_group(_Group(first=(tap, start, pos), members=members, waits=waits))
+            ends = {i[1]: i[6] if i[6] >= 0 else math.inf for i in items}
+            group = _Group(first=(tap, start, pos), members=members, waits=waits, ends=ends)
+            self._close_group(group)
             return
         groups: list[tuple[_Group, float]] = []  # with the first request's end (inf: open)
         for _, tap, start, pos, rel, coal, end_at, wait in sorted(items, key=lambda i: i[2]):
             for group, first_end in groups:
                 if tap not in group.members and start <= first_end + slack:
-                    group.members[tap] = (start, pos, rel, coal)
-                    group.waits[tap] = wait
                     break
             else:
-                group = _Group(first=(tap, start, pos), members={tap: (start, pos, rel, coal)})
-                group.waits[tap] = wait
+                group = _Group(first=(tap, start, pos), members={})
                 groups.append((group, end_at if end_at >= 0 else math.inf))
+            group.members[tap] = (start, pos, rel, coal)
+            group.waits[tap] = wait
+            group.ends[tap] = end_at if end_at >= 0 else math.inf
         for group, _ in groups:
             self._close_group(group)
 
@@ -575,9 +587,20 @@ class Context:
         if group is None:
             return
         taps = sorted(group.members)
+        members, ends = group.members, group.ends
         for i, a in enumerate(taps):
             for b in taps[i + 1 :]:
-                self._pairs[(a, b)].add(group.members[b][0] - group.members[a][0])
+                start_a, start_b = members[a][0], members[b][0]
+                self._pairs[(a, b)].add(start_b - start_a)
+                # one inside the other (a tap behind sees a request while the one in front
+                # waits for it), not one after the other (a retry on another engine)
+                earlier_end, later_start = (
+                    (ends.get(a, math.inf), start_b)
+                    if start_a <= start_b
+                    else (ends.get(b, math.inf), start_a)
+                )
+                if later_start <= earlier_end + self._slack:
+                    self._nested[(a, b)] += 1
         waits = group.waits
         lo, hi = FIRST_EVENT_HELD
         for a, held in waits.items():
@@ -621,6 +644,12 @@ class Context:
         each tap saw it (taps in name order), in order of first appearance."""
         return self._resolve()[0]
 
+    def masked(self, request_id: str) -> dict[str, RequestRow]:
+        """A request that went wrong at a tap behind the front one while its front copy
+        was answered well (a hop in front retried or repaired it), as each tap saw it;
+        empty otherwise."""
+        return self._resolve()[2].get(request_id, {})
+
     def seen_with(self, r: RequestRow) -> dict[str, RequestRow]:
         """A request whose events came bunched, as each tap saw it (empty when alone)."""
         return self._resolve()[1].get(r.id, {})
@@ -652,6 +681,16 @@ class Context:
         pair = self._pairs.get((a, b) if a < b else (b, a))
         return 0 if pair is None else pair.positive + pair.other
 
+    def _behind(self, a: str, b: str) -> bool:
+        """Whether requests go from one of the two taps to the other: they saw requests in
+        common, and on one clock, some while the other was still waiting for them (a
+        request a router sent to one engine and then again to another is seen at each
+        engine's tap one after the other)."""
+        if not self.shared(a, b):
+            return False
+        taps = [self.e.taps.get(a, {}), self.e.taps.get(b, {})]
+        return not _shared_clock(taps) or self._nested.get((a, b) if a < b else (b, a), 0) > 0
+
     def next_taps(self, tap: str) -> list[str]:
         """The taps one hop behind ``tap`` toward the engine: the taps after it in order
         that saw some of its requests, less those behind another of them (in a chain, the
@@ -662,12 +701,12 @@ class Context:
         if tap not in self.order:
             return []
         later = self.order[self.order.index(tap) + 1 :]
-        sharing = [t for t in later if self.shared(tap, t)]
-        return [t for i, t in enumerate(sharing) if not any(self.shared(u, t) for u in sharing[:i])]
+        sharing = [t for t in later if self._behind(tap, t)]
+        return [
+            t for i, t in enumerate(sharing) if not any(self._behind(u, t) for u in sharing[:i])
+        ]
 
-    def _resolve(
-        self,
-    ) -> tuple[list[dict[str, RequestRow]], dict[str, dict[str, RequestRow]]]:
+    def _resolve(self) -> _Joined:
         """The rows of the groups the analyzers ask about (one more pass over the rows
         when some are not among the interesting ones)."""
         if self._joined is not None:
@@ -675,19 +714,26 @@ class Context:
         rank = {tap: i for i, tap in enumerate(self.order)}
         fronts: list[_Group] = []
         bunched: list[_Group] = []
+        masked: list[tuple[_Group, list[str]]] = []  # with the taps where it went wrong
         for g in self._groups:
             front = min(g.members, key=lambda t: rank.get(t, 0))
             if g.members[front][2]:
                 fronts.append(g)
+            else:
+                wrong = [t for t, (_, _, rel, _) in g.members.items() if rel]
+                if wrong:
+                    masked.append((g, wrong))
             if any(coal for _, _, _, coal in g.members.values()):
                 bunched.append(g)
-        rows = self.rows_at(pos for g in fronts + bunched for _, pos, _, _ in g.members.values())
+        groups = fronts + bunched + [g for g, _ in masked]
+        rows = self.rows_at(pos for g in groups for _, pos, _, _ in g.members.values())
 
         def seen(g: _Group) -> dict[str, RequestRow]:
             return {tap: rows[pos] for tap, (_, pos, _, _) in g.members.items()}
 
         with_others = {r.id: seen(g) for g in bunched for r in seen(g).values()}
-        self._joined = ([seen(g) for g in fronts], with_others)
+        hidden = {seen(g)[t].id: seen(g) for g, wrong in masked for t in wrong}
+        self._joined = ([seen(g) for g in fronts], with_others, hidden)
         return self._joined
 
     # -- queries -----------------------------------------------------------------------
@@ -1669,7 +1715,40 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
             # a hop that gave up on a silent upstream: the silence is told at the back tap
             replaced.update({front.id} if waited else {front.id, back.id})
     kept = [f for f in findings if not (set(f["requests"]) & replaced)]
-    return _fold(kept, folded) + extra
+    return [_unseen_by_client(ctx, f, rank) for f in _fold(kept, folded)] + extra
+
+
+def _unseen_by_client(ctx: Context, f: dict[str, Any], rank: dict[str, int]) -> dict[str, Any]:
+    """A fault at a tap behind the front one, in requests whose front copies were answered
+    well: a hop in front retried them (the SGLang router sends a request that got a 5xx
+    to another engine) or answered anyway. Still told, as a note: it is not what the
+    client saw."""
+    groups = [ctx.masked(rid) for rid in f["requests"]]
+    if f["note"] or not groups or not all(groups):
+        return f
+    lines = []
+    for rid, seen in zip(f["requests"], groups, strict=True):
+        front = seen[min(seen, key=lambda t: rank.get(t, 0))]
+        line = (
+            f"{rid}: its copy at tap {front.tap} ({front.id}) was answered: {_outcome_quote(front)}"
+        )
+        again = [r for t, r in seen.items() if t != front.tap and r.id != rid]
+        answered = [r for r in again if not _relevant_at_front(r, ctx.e.end)]
+        if answered:
+            line += f"; sent again to tap {answered[0].tap}, which answered it"
+        lines.append(line)
+    retried = any("sent again" in line for line in lines)
+    return f | {
+        "summary": f["summary"]
+        + (
+            " The client did not see it: a hop in front sent the request again to another "
+            "engine, which answered."
+            if retried
+            else " The client did not see it: a hop in front answered the client anyway."
+        ),
+        "evidence": f["evidence"] + lines,
+        "note": True,
+    }
 
 
 def _never_seen(taps: list[str], counts: dict[str, int]) -> str:
@@ -1911,7 +1990,11 @@ def find(e: Evidence) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             "party": "none",
             "kind": "healthy",
             "summary": "No fault found in the captures."
-            + (f" {len(notes)} note(s) about load." if notes else ""),
+            + (
+                f" {len(notes)} note(s): {', '.join(sorted({n['kind'] for n in notes}))}."
+                if notes
+                else ""
+            ),
             "finding": None,
             "confidence": "high" if ctx.rows else "low",
         }
