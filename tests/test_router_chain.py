@@ -27,7 +27,7 @@ from tracer.sim.harness import HarnessConfig, run_harness
 
 from .conftest import wait_until
 from .test_cli_proxy import _free_port, tracer_proxy
-from .test_sim_engine import SMG, engine_running
+from .test_sim_engine import SMG, engine_running, smg_router
 
 pytestmark = pytest.mark.anyio
 
@@ -217,6 +217,12 @@ async def test_poller_sees_load_rise_and_fall(tmp_path: Path) -> None:
     assert loads and max(s["running"] for s in loads) == 2
 
 
+def _tap(name: str, upstream: str, capture: Path, *extra: str) -> Any:
+    """`tracer proxy` as tap ``name`` in front of ``upstream``, writing ``capture``."""
+    args = ("--listen", "127.0.0.1:0", "--upstream", upstream, "--tap", name)
+    return tracer_proxy("proxy", *args, "--capture", str(capture), *extra)
+
+
 @asynccontextmanager
 async def taps_around_the_router(
     tmp_path: Path, *, e1_faults: Sequence[str] = (), hop_fault: str | None = None
@@ -228,23 +234,14 @@ async def taps_around_the_router(
     async with (
         engine_running(ttft=0.0, itl=0.002, faults=[parse_fault(f) for f in e1_faults]) as w1,
         engine_running(ttft=0.0, itl=0.002) as w2,
-        tracer_proxy(
-            "proxy", "--listen", "127.0.0.1:0", "--upstream", w1.url,
-            "--tap", "e1", "--capture", str(e1),
-        ) as tap1,
-        tracer_proxy(
-            "proxy", "--listen", "127.0.0.1:0", "--upstream", w2.url,
-            "--tap", "e2", "--capture", str(e2),
-        ) as tap2,
+        _tap("e1", w1.url, e1) as tap1,
+        _tap("e2", w2.url, e2) as tap2,
         router(tmp_path, tap1.url, tap2.url) as (router_url, _),
         tracer_proxy(
             "proxy", "--listen", "127.0.0.1:0", "--upstream", router_url,
             "--tap", "hop", *(["--fault", hop_fault] if hop_fault else []),
         ) as hop,
-        tracer_proxy(
-            "proxy", "--listen", "127.0.0.1:0", "--upstream", hop.url,
-            "--tap", "front", "--capture", str(front), "--stall-after", "0.5",
-        ) as front_tap,
+        _tap("front", hop.url, front, "--stall-after", "0.5") as front_tap,
     ):  # fmt: skip
         yield front_tap.url, [front, e1, e2]
 
@@ -344,3 +341,36 @@ async def test_a_5xx_the_router_retries_on_another_engine_is_a_note(tmp_path: Pa
             "engine, which answered."
         ), f["summary"]
         assert "sent again to tap e2, which answered it" in f["evidence"][-1], f["evidence"]
+
+
+@pytest.mark.skipif(not SMG.exists(), reason="smg (sglang-router) is not installed")
+async def test_taps_on_the_legs_of_pd_disaggregation(tmp_path: Path) -> None:
+    """The router in PD mode sends each request to a prefill and a decode engine at once,
+    with a tap in front of each and one in front of the router. The legs' taps are each
+    one hop behind the front tap, side by side (not a chain: they see the same requests
+    at the same time, neither inside the other's). The prefill engine cuts its answer to
+    the second request; the client gets its stream from the decode leg all the same, so
+    the cut is a note."""
+    front, p, d = (tmp_path / f"{name}.jsonl" for name in ("front", "p", "d"))
+    async with (
+        engine_running(
+            ttft=0.0, itl=0.002, engine_type="prefill", faults=[parse_fault("close:after=2:nth=2")]
+        ) as prefill,
+        engine_running(ttft=0.0, itl=0.002, engine_type="decode") as decode,
+        _tap("p", prefill.url, p) as p_tap,
+        _tap("d", decode.url, d) as d_tap,
+        smg_router(
+            tmp_path, "--pd-disaggregation", "--prefill", p_tap.url, "--decode", d_tap.url
+        ) as (router_url, log_path, ready),
+        _tap("front", router_url, front) as front_tap,
+    ):  # fmt: skip
+        if not ready:
+            pytest.skip("smg refused simulated PD workers: " + log_path.read_text()[-2000:])
+        assert await _questions(front_tap.url, 4) == [200] * 4
+    result = await _analyze(front, p, d)
+    pairs = {(p["from"], p["to"]): p["shared"] for p in result["evidence"]["tap_pairs"]}
+    assert pairs == {("front", "p"): 4, ("front", "d"): 4}, pairs
+    assert result["verdict"]["kind"] == "healthy", result["findings"]
+    (cut,) = [f for f in result["findings"] if f["kind"] in ("stream_cut", "engine_truncated")]
+    assert cut["note"] is True and [r[:2] for r in cut["requests"]] == ["p/"], cut
+    assert "sent at the same time to tap d, which answered it" in cut["evidence"][-1], cut

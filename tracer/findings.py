@@ -281,6 +281,7 @@ class _Group:
     # front-relevant, coalesced)
     waits: dict[str, float] = field(default_factory=dict)  # tap -> _first_event_wait
     ends: dict[str, float] = field(default_factory=dict)  # tap -> its end (inf: open)
+    events: dict[str, int] = field(default_factory=dict)  # tap -> SSE events it carried
 
 
 def _shared_clock(taps: list[dict[str, Any]]) -> bool:
@@ -433,7 +434,8 @@ class Context:
         self._groups: list[_Group] = []
         self._pairs: dict[tuple[str, str], _PairOrder] = defaultdict(_PairOrder)
         self._retry_taps: set[str] = set()  # taps that saw the openai SDK's retry counts
-        self._nested: dict[tuple[str, str], int] = defaultdict(int)  # see _close_group
+        self._inside: dict[tuple[str, str], int] = defaultdict(int)  # see _close_group
+        self._next: dict[str, list[str]] | None = None  # see next_taps
         self._slack = JOIN_SLACK  # the join's (SHARED_CLOCK_SLACK on one clock)
         # (tap where first events came late, tap where they came at once) -> the holds
         self.first_held: dict[tuple[str, str], _Holds] = defaultdict(_Holds)
@@ -475,13 +477,25 @@ class Context:
                         self._retry_taps.add(r.tap)
                     if r.request_id:
                         key = f"id:{r.request_id}"
-                        by_id.add((key, r.tap, r.start, pos, rel, coal, end_at, wait))
+                        by_id.add((key, r.tap, r.start, pos, rel, coal, end_at, wait, r.events))
                     elif r.request_bytes:  # a request without a body has nothing to join by
                         content = r.content_sha256 or r.body_sha256
                         fingerprint = f"{r.method} {r.target} {content}"
                         retry = -1 if r.retry_count is None else r.retry_count
-                        item = (r.tap, fingerprint, r.start, retry, pos, rel, coal, end_at, wait)
-                        by_print.add(item)
+                        by_print.add(
+                            (
+                                r.tap,
+                                fingerprint,
+                                r.start,
+                                retry,
+                                pos,
+                                rel,
+                                coal,
+                                end_at,
+                                wait,
+                                r.events,
+                            )
+                        )
             if joining and len(self.counts) >= 2:
                 self._join(by_id, by_print)
         finally:
@@ -566,11 +580,14 @@ class Context:
             members = {i[1]: (i[2], i[3], i[4], i[5]) for i in items}
             waits = {i[1]: i[7] for i in items}
             ends = {i[1]: i[6] if i[6] >= 0 else math.inf for i in items}
-            group = _Group(first=(tap, start, pos), members=members, waits=waits, ends=ends)
+            events = {i[1]: i[8] for i in items}
+            group = _Group(
+                first=(tap, start, pos), members=members, waits=waits, ends=ends, events=events
+            )
             self._close_group(group)
             return
         groups: list[tuple[_Group, float]] = []  # with the first request's end (inf: open)
-        for _, tap, start, pos, rel, coal, end_at, wait in sorted(items, key=lambda i: i[2]):
+        for _, tap, start, pos, rel, coal, end_at, wait, n in sorted(items, key=lambda i: i[2]):
             for group, first_end in groups:
                 if tap not in group.members and start <= first_end + slack:
                     break
@@ -580,6 +597,7 @@ class Context:
             group.members[tap] = (start, pos, rel, coal)
             group.waits[tap] = wait
             group.ends[tap] = end_at if end_at >= 0 else math.inf
+            group.events[tap] = n
         for group, _ in groups:
             self._close_group(group)
 
@@ -590,17 +608,20 @@ class Context:
         members, ends = group.members, group.ends
         for i, a in enumerate(taps):
             for b in taps[i + 1 :]:
-                start_a, start_b = members[a][0], members[b][0]
-                self._pairs[(a, b)].add(start_b - start_a)
-                # one inside the other (a tap behind sees a request while the one in front
-                # waits for it), not one after the other (a retry on another engine)
-                earlier_end, later_start = (
-                    (ends.get(a, math.inf), start_b)
-                    if start_a <= start_b
-                    else (ends.get(b, math.inf), start_a)
-                )
-                if later_start <= earlier_end + self._slack:
-                    self._nested[(a, b)] += 1
+                self._pairs[(a, b)].add(members[b][0] - members[a][0])
+        # a request seen inside another tap's copy of it: began after it, ended before it,
+        # with as many events (a tap behind sees the request while the one in front waits
+        # for the answer it relays)
+        events = group.events
+        for outer in taps:
+            for inner in taps:
+                if (
+                    inner != outer
+                    and members[inner][0] >= members[outer][0]
+                    and ends.get(inner, math.inf) <= ends.get(outer, math.inf) + self._slack
+                    and events.get(inner) == events.get(outer)
+                ):
+                    self._inside[(outer, inner)] += 1
         waits = group.waits
         lo, hi = FIRST_EVENT_HELD
         for a, held in waits.items():
@@ -681,30 +702,42 @@ class Context:
         pair = self._pairs.get((a, b) if a < b else (b, a))
         return 0 if pair is None else pair.positive + pair.other
 
-    def _behind(self, a: str, b: str) -> bool:
-        """Whether requests go from one of the two taps to the other: they saw requests in
-        common, and on one clock, some while the other was still waiting for them (a
-        request a router sent to one engine and then again to another is seen at each
-        engine's tap one after the other)."""
-        if not self.shared(a, b):
+    def _relays(self, outer: str, inner: str) -> bool:
+        """Whether tap ``inner`` is behind tap ``outer`` on the way to the engine: they saw
+        requests in common, and on one clock, ``outer`` relayed what ``inner`` got for at
+        least three in four of them (its copy began before and ended after, with as many
+        events). Not so the taps of two engines a router sent the same request to: one
+        after the other (a 5xx sent again to another engine), or at once with different
+        answers (the prefill and decode legs of PD disaggregation)."""
+        shared = self.shared(outer, inner)
+        if not shared:
             return False
-        taps = [self.e.taps.get(a, {}), self.e.taps.get(b, {})]
-        return not _shared_clock(taps) or self._nested.get((a, b) if a < b else (b, a), 0) > 0
+        if not _shared_clock([self.e.taps.get(outer, {}), self.e.taps.get(inner, {})]):
+            return True
+        return self._inside.get((outer, inner), 0) * 4 >= shared * 3
 
     def next_taps(self, tap: str) -> list[str]:
         """The taps one hop behind ``tap`` toward the engine: the taps after it in order
-        that saw some of its requests, less those behind another of them (in a chain, the
-        next tap; behind a router, the tap in front of each engine it sends to, which see
-        none of each other's requests). None where no two taps saw a request in common:
-        nothing then says that one tap is behind another (two taps in front of two
-        engines, analysed without the router's tap, are not a chain)."""
-        if tap not in self.order:
-            return []
-        later = self.order[self.order.index(tap) + 1 :]
-        sharing = [t for t in later if self._behind(tap, t)]
-        return [
-            t for i, t in enumerate(sharing) if not any(self._behind(u, t) for u in sharing[:i])
-        ]
+        that saw some of its requests, less those another of them relays (``_relays``: in
+        a chain, the next tap only) and those side by side with it (both one hop behind
+        an earlier tap, neither relaying the other: the taps in front of each engine a
+        router sends to). None where no two taps saw a request in common: nothing then
+        says that one tap is behind another."""
+        if self._next is None:
+            self._next = {}
+            for i, a in enumerate(self.order):
+                siblings = {t for n in self._next.values() if a in n for t in n}
+                sharing = [
+                    t
+                    for t in self.order[i + 1 :]
+                    if self.shared(a, t) and (t not in siblings or self._relays(a, t))
+                ]
+                self._next[a] = [
+                    t
+                    for k, t in enumerate(sharing)
+                    if not any(self._relays(u, t) for u in sharing[:k])
+                ]
+        return self._next.get(tap, [])
 
     def _resolve(self) -> _Joined:
         """The rows of the groups the analyzers ask about (one more pass over the rows
@@ -1425,12 +1458,17 @@ def analyze_first_events(ctx: Context) -> list[dict[str, Any]]:
     """First events held ~40 ms by the hop between two taps (no TCP_NODELAY meeting a
     delayed ACK): late after the response head at one tap, at once at the next toward the
     engine, for the same requests. A note (a latency the hop adds to every such stream,
-    not why anything hung), one per hop, when it happened to at least 2 streams and a
-    tenth of those both taps saw."""
-    out: list[dict[str, Any]] = []
+    not why anything hung), when it happened to at least 2 streams and a tenth of those
+    both taps saw; one per tap in front, against the tap behind it that shows it most
+    (the same request may reach two taps behind a router: the legs of PD)."""
+    best: dict[str, tuple[str, _Holds]] = {}
     for (a, b), holds in sorted(ctx.first_held.items()):
         if b not in ctx.next_taps(a) or holds.count < 2 or holds.count * 10 < ctx.shared(a, b):
             continue
+        if a not in best or holds.count > best[a][1].count:
+            best[a] = (b, holds)
+    out: list[dict[str, Any]] = []
+    for a, (b, holds) in sorted(best.items()):
         rows = ctx.rows_at(p for pair in holds.examples for p in pair)
         examples = sorted(
             ((rows[p], rows[q]) for p, q in holds.examples if p in rows and q in rows),
@@ -1727,25 +1765,31 @@ def _unseen_by_client(ctx: Context, f: dict[str, Any], rank: dict[str, int]) -> 
     if f["note"] or not groups or not all(groups):
         return f
     lines = []
+    how = " The client did not see it: a hop in front answered the client anyway."
     for rid, seen in zip(f["requests"], groups, strict=True):
         front = seen[min(seen, key=lambda t: rank.get(t, 0))]
+        failed = next(r for r in seen.values() if r.id == rid)
         line = (
             f"{rid}: its copy at tap {front.tap} ({front.id}) was answered: {_outcome_quote(front)}"
         )
-        again = [r for t, r in seen.items() if t != front.tap and r.id != rid]
-        answered = [r for r in again if not _relevant_at_front(r, ctx.e.end)]
-        if answered:
+        others = [r for r in seen.values() if r.tap not in (front.tap, failed.tap)]
+        answered = [r for r in others if not _relevant_at_front(r, ctx.e.end)]
+        if answered and failed.end is not None and answered[0].start >= failed.end:
             line += f"; sent again to tap {answered[0].tap}, which answered it"
+            how = (
+                " The client did not see it: a hop in front sent the request again to another "
+                "engine, which answered."
+            )
+        elif answered:  # sent to both at once (the prefill and decode legs of PD)
+            line += f"; sent at the same time to tap {answered[0].tap}, which answered it"
+            how = (
+                " The client did not see it: a hop in front sent the request to another "
+                "engine at the same time, which answered."
+            )
         lines.append(line)
-    retried = any("sent again" in line for line in lines)
     return f | {
-        "summary": f["summary"]
-        + (
-            " The client did not see it: a hop in front sent the request again to another "
-            "engine, which answered."
-            if retried
-            else " The client did not see it: a hop in front answered the client anyway."
-        ),
+        "summary": f["summary"] + how,
+        "settle": None,  # the tap in front answers what it asked
         "evidence": f["evidence"] + lines,
         "note": True,
     }
