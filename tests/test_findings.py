@@ -741,6 +741,25 @@ def test_a_request_sent_again_to_another_engine_is_not_a_chain_of_taps() -> None
     )
 
 
+def test_a_cut_on_the_decode_leg_of_pd_is_told_once() -> None:
+    """PD: each request goes to the prefill and the decode leg at once; the decode leg's
+    stream is the client's. A cut there is the same failure at the front tap: one finding,
+    from the decode leg's tap; the prefill leg (answered, one event) is not on its path."""
+    caps = [Cap(tap, upstream=up, boot_id="boot-1") for tap, up in
+            (("front", ROUTER), ("p", ENGINE), ("d", ENGINE))]  # fmt: skip
+    front, p, d = caps
+    for i in range(4):
+        t, idle, cut = 1.0 + i, 0.5 if i else 0.0, "truncated" if i == 2 else "complete"
+        front.exchange(1, i + 1, t, rid=f"r{i}", idle=idle, end=cut, ttfb=0.003)
+        p.exchange(1, i + 1, t + 0.0005, rid=f"r{i}", idle=idle, events=1, ttfb=0.001)
+        d.exchange(1, i + 1, t + 0.0004, rid=f"r{i}", idle=idle, end=cut, ttfb=0.002)
+    result = analyze(*caps)
+    pairs = {(q["from"], q["to"]) for q in result["evidence"]["tap_pairs"]}
+    assert pairs == {("front", "p"), ("front", "d")}
+    (f,) = [f for f in result["findings"] if not f["note"]]
+    assert f["requests"] == ["d/1/3", "front/1/3"], result["findings"]
+
+
 def _bunched(cap: Cap, t: float, *, bunched: bool) -> None:
     cap.exchange(1, 1, t, events=0)
     sse = []

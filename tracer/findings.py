@@ -1683,6 +1683,11 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
         if not _relevant_at_front(front, ctx.e.end):
             continue
         window = _hang_window(front, ctx.e.end)
+        legs = [t for t in taps[1:] if t in ctx.next_taps(taps[0])]
+        same = [t for t in legs if _same_failure(seen[t], front)]
+        if len(legs) > 1 and same:  # side by side (PD's legs): the one that failed as the
+            taps = [t for t in taps if t not in legs or t == same[0]]  # front did is its path
+            rows = [seen[t] for t in taps]
         if len(taps) > 1 and all(_same_failure(seen[t], seen[taps[-1]]) for t in taps[:-1]):
             # told by the tap nearest the side it came from
             teller = taps[0] if _client_side(front) else taps[-1]
