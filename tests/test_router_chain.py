@@ -26,6 +26,7 @@ from tracer.sim.engine import parse_fault
 from tracer.sim.harness import HarnessConfig, run_harness
 
 from .conftest import wait_until
+from .test_addon_trace import mitmdump
 from .test_cli_proxy import _free_port, tracer_proxy
 from .test_sim_engine import SMG, engine_running, smg_router
 
@@ -374,3 +375,28 @@ async def test_taps_on_the_legs_of_pd_disaggregation(tmp_path: Path) -> None:
     (cut,) = [f for f in result["findings"] if f["kind"] in ("stream_cut", "engine_truncated")]
     assert cut["note"] is True and [r[:2] for r in cut["requests"]] == ["p/"], cut
     assert "sent at the same time to tap d, which answered it" in cut["evidence"][-1], cut
+
+
+@pytest.mark.skipif(not SMG.exists(), reason="smg (sglang-router) is not installed")
+async def test_the_mitmproxy_addon_in_front_of_the_router(tmp_path: Path) -> None:
+    """mitmdump with addons/trace.py as the front tap, the native tap in front of each
+    engine: the captures join across the router (one boot, one clock), the engine taps
+    are side by side, and the router's held first events are found from mitmproxy's
+    side as from the native tap's."""
+    e1, e2 = tmp_path / "e1.jsonl", tmp_path / "e2.jsonl"
+    async with (
+        engine_running(ttft=0.0, itl=0.002) as w1,
+        engine_running(ttft=0.0, itl=0.002) as w2,
+        _tap("e1", w1.url, e1) as tap1,
+        _tap("e2", w2.url, e2) as tap2,
+        router(tmp_path, tap1.url, tap2.url) as (router_url, _),
+        mitmdump(router_url, tmp_path, "--set", "tracer_tap=front") as (url, front),
+    ):
+        assert await _questions(url, 8) == [200] * 8
+    result = await _analyze(front, e1, e2)
+    pairs = result["evidence"]["tap_pairs"]
+    assert {(p["from"], p["to"]) for p in pairs} == {("front", "e1"), ("front", "e2")}, pairs
+    assert all(p["one_clock"] and p["shared"] >= 2 for p in pairs), pairs
+    assert result["verdict"]["kind"] == "healthy", result["findings"]
+    held = [f for f in result["findings"] if f["kind"] == "first_event_held"]
+    assert held and held[0]["summary"].startswith("The hop between tap front and tap e"), held
