@@ -35,7 +35,7 @@ from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from .analysis import ZERO_GAP, ConnectionRow, RequestRow
@@ -272,16 +272,31 @@ class _Windows:
         return out
 
 
+class _Seen(NamedTuple):
+    """A request as one tap saw it, in a join record (``Context._scan``): ``item`` is the
+    record less its key, ``(tap, start, position, relevant at the front, coalesced, end
+    (-1: open), first event wait, events)``."""
+
+    start: float
+    pos: int
+    rel: bool
+    coal: bool
+    end: float  # inf: still open
+    wait: float  # _first_event_wait
+    events: int
+
+    @classmethod
+    def of(cls, item: tuple[Any, ...]) -> tuple[str, _Seen]:
+        tap, start, pos, rel, coal, end, wait, events = item
+        return tap, cls(start, pos, rel, coal, end if end >= 0 else math.inf, wait, events)
+
+
 @dataclass
 class _Group:
     """The requests that share one join key, as seen at each tap (the first per tap)."""
 
     first: tuple[str, float, int]  # (tap, start, position): where the key appears first
-    members: dict[str, tuple[float, int, bool, bool]]  # tap -> (start, position,
-    # front-relevant, coalesced)
-    waits: dict[str, float] = field(default_factory=dict)  # tap -> _first_event_wait
-    ends: dict[str, float] = field(default_factory=dict)  # tap -> its end (inf: open)
-    events: dict[str, int] = field(default_factory=dict)  # tap -> SSE events it carried
+    members: dict[str, _Seen]
 
 
 def _shared_clock(taps: list[dict[str, Any]]) -> bool:
@@ -542,7 +557,7 @@ class Context:
         is what tells a dropped request from the same body sent again at once: counted
         per tap, the next tap's copy of the second would be taken for the first.
         """
-        shared = _shared_clock([self.e.taps.get(tap, {}) for tap in self.counts])
+        shared = self.one_clock(*self.counts)
         slack = self._slack = SHARED_CLOCK_SLACK if shared else JOIN_SLACK
         # a hop that drops the SDK's retry count (the SGLang router does) leaves it out
         retries = self._retry_taps >= self.counts.keys()
@@ -577,60 +592,51 @@ class Context:
         taps = [item[1] for item in items]
         if len(set(taps)) == len(taps):
             _, tap, start, pos, *_ = items[0]
-            members = {i[1]: (i[2], i[3], i[4], i[5]) for i in items}
-            waits = {i[1]: i[7] for i in items}
-            ends = {i[1]: i[6] if i[6] >= 0 else math.inf for i in items}
-            events = {i[1]: i[8] for i in items}
-            group = _Group(
-                first=(tap, start, pos), members=members, waits=waits, ends=ends, events=events
-            )
-            self._close_group(group)
+            members = dict(_Seen.of(item[1:]) for item in items)
+            self._close_group(_Group(first=(tap, start, pos), members=members))
             return
-        groups: list[tuple[_Group, float]] = []  # with the first request's end (inf: open)
-        for _, tap, start, pos, rel, coal, end_at, wait, n in sorted(items, key=lambda i: i[2]):
-            for group, first_end in groups:
-                if tap not in group.members and start <= first_end + slack:
+        groups: list[_Group] = []
+        for item in sorted(items, key=lambda i: i[2]):
+            tap, seen = _Seen.of(item[1:])
+            # the earliest group without this tap whose first request was still open (or
+            # had ended less than the slack before) when this one began
+            for group in groups:
+                if (
+                    tap not in group.members
+                    and seen.start <= group.members[group.first[0]].end + slack
+                ):
                     break
             else:
-                group = _Group(first=(tap, start, pos), members={})
-                groups.append((group, end_at if end_at >= 0 else math.inf))
-            group.members[tap] = (start, pos, rel, coal)
-            group.waits[tap] = wait
-            group.ends[tap] = end_at if end_at >= 0 else math.inf
-            group.events[tap] = n
-        for group, _ in groups:
+                group = _Group(first=(tap, seen.start, seen.pos), members={})
+                groups.append(group)
+            group.members[tap] = seen
+        for group in groups:
             self._close_group(group)
 
     def _close_group(self, group: _Group | None) -> None:
         if group is None:
             return
         taps = sorted(group.members)
-        members, ends = group.members, group.ends
+        members = group.members
         for i, a in enumerate(taps):
             for b in taps[i + 1 :]:
-                self._pairs[(a, b)].add(members[b][0] - members[a][0])
-        # a request seen inside another tap's copy of it: began after it, ended before it,
-        # with as many events (a tap behind sees the request while the one in front waits
-        # for the answer it relays)
-        events = group.events
-        for outer in taps:
-            for inner in taps:
+                self._pairs[(a, b)].add(members[b].start - members[a].start)
+        lo, hi = FIRST_EVENT_HELD
+        for outer, o in members.items():
+            for inner, n in members.items():
+                # seen inside the other tap's copy: began after it, ended before it, with
+                # as many events (a tap behind sees the request while the one in front
+                # waits for the answer it relays)
                 if (
                     inner != outer
-                    and members[inner][0] >= members[outer][0]
-                    and ends.get(inner, math.inf) <= ends.get(outer, math.inf) + self._slack
-                    and events.get(inner) == events.get(outer)
+                    and n.start >= o.start
+                    and n.end <= o.end + self._slack
+                    and n.events == o.events
                 ):
                     self._inside[(outer, inner)] += 1
-        waits = group.waits
-        lo, hi = FIRST_EVENT_HELD
-        for a, held in waits.items():
-            if lo <= held <= hi:
-                for b, prompt in waits.items():
-                    if 0 <= prompt <= FIRST_EVENT_PROMPT:
-                        pos = (group.members[a][1], group.members[b][1])
-                        self.first_held[(a, b)].add(held - prompt, pos)
-        if any(rel or coal for _, _, rel, coal in group.members.values()):
+                if lo <= o.wait <= hi and 0 <= n.wait <= FIRST_EVENT_PROMPT:
+                    self.first_held[(outer, inner)].add(o.wait - n.wait, (o.pos, n.pos))
+        if any(m.rel or m.coal for m in members.values()):
             self._groups.append(group)
 
     def rows_at(self, positions: Iterable[int]) -> dict[int, RequestRow]:
@@ -686,17 +692,20 @@ class Context:
                     (self._pairs.get((a, b)), 1.0) if a < b else (self._pairs.get((b, a)), -1.0)
                 )
                 median = pair.median() if pair is not None else None
-                one_clock = _shared_clock([self.e.taps.get(a, {}), self.e.taps.get(b, {})])
                 out.append(
                     {
                         "from": a,
                         "to": b,
                         "shared": self.shared(a, b),
                         "median_delay": None if median is None else round(sign * median, 6),
-                        "one_clock": one_clock,
+                        "one_clock": self.one_clock(a, b),
                     }
                 )
         return out
+
+    def one_clock(self, *taps: str) -> bool:
+        """Whether these taps read one wall clock (``_shared_clock``)."""
+        return _shared_clock([self.e.taps.get(t, {}) for t in taps])
 
     def shared(self, a: str, b: str) -> int:
         pair = self._pairs.get((a, b) if a < b else (b, a))
@@ -712,7 +721,7 @@ class Context:
         shared = self.shared(outer, inner)
         if not shared:
             return False
-        if not _shared_clock([self.e.taps.get(outer, {}), self.e.taps.get(inner, {})]):
+        if not self.one_clock(outer, inner):
             return True
         return self._inside.get((outer, inner), 0) * 4 >= shared * 3
 
@@ -750,19 +759,19 @@ class Context:
         masked: list[tuple[_Group, list[str]]] = []  # with the taps where it went wrong
         for g in self._groups:
             front = min(g.members, key=lambda t: rank.get(t, 0))
-            if g.members[front][2]:
+            if g.members[front].rel:
                 fronts.append(g)
             else:
-                wrong = [t for t, (_, _, rel, _) in g.members.items() if rel]
+                wrong = [t for t, m in g.members.items() if m.rel]
                 if wrong:
                     masked.append((g, wrong))
-            if any(coal for _, _, _, coal in g.members.values()):
+            if any(m.coal for m in g.members.values()):
                 bunched.append(g)
         groups = fronts + bunched + [g for g, _ in masked]
-        rows = self.rows_at(pos for g in groups for _, pos, _, _ in g.members.values())
+        rows = self.rows_at(m.pos for g in groups for m in g.members.values())
 
         def seen(g: _Group) -> dict[str, RequestRow]:
-            return {tap: rows[pos] for tap, (_, pos, _, _) in g.members.items()}
+            return {tap: rows[m.pos] for tap, m in g.members.items()}
 
         with_others = {r.id: seen(g) for g in bunched for r in seen(g).values()}
         hidden = {seen(g)[t].id: seen(g) for g, wrong in masked for t in wrong}
@@ -1454,32 +1463,43 @@ def _coalesced_between(r: RequestRow, steady: RequestRow) -> dict[str, Any]:
     )
 
 
-def analyze_first_events(ctx: Context) -> list[dict[str, Any]]:
-    """First events held ~40 ms by the hop between two taps (no TCP_NODELAY meeting a
-    delayed ACK): late after the response head at one tap, at once at the next toward the
-    engine, for the same requests. A note (a latency the hop adds to every such stream,
-    not why anything hung), when it happened to at least 2 streams and a tenth of those
-    both taps saw; one per tap in front, against the tap behind it that shows it most
-    (the same request may reach two taps behind a router: the legs of PD)."""
+def _held_first_events(ctx: Context) -> dict[str, tuple[str, _Holds]]:
+    """Per tap in front: the tap one hop behind it where the first events it got late
+    came at once, where that happened to at least 2 streams and a tenth of those both
+    taps saw (the one that shows it most: the same request may reach two taps behind a
+    router, the legs of PD)."""
     best: dict[str, tuple[str, _Holds]] = {}
     for (a, b), holds in sorted(ctx.first_held.items()):
         if b not in ctx.next_taps(a) or holds.count < 2 or holds.count * 10 < ctx.shared(a, b):
             continue
         if a not in best or holds.count > best[a][1].count:
             best[a] = (b, holds)
+    return best
+
+
+def _ms_spread(seconds: list[float]) -> tuple[str, str]:
+    """The median in ms, and "median; LO to HI ms", of a sample of waits."""
+    ordered = sorted(seconds)
+    median = f"{ordered[len(ordered) // 2] * 1000:.0f}"
+    return median, f"median; {ordered[0] * 1000:.0f} to {ordered[-1] * 1000:.0f} ms"
+
+
+def analyze_first_events(ctx: Context) -> list[dict[str, Any]]:
+    """First events held ~40 ms by the hop between two taps (no TCP_NODELAY meeting a
+    delayed ACK): late after the response head at one tap, at once at the next toward the
+    engine, for the same requests (``_held_first_events``). A note: a latency the hop
+    adds to every such stream, not why anything hung."""
     out: list[dict[str, Any]] = []
-    for a, (b, holds) in sorted(best.items()):
+    for a, (b, holds) in sorted(_held_first_events(ctx).items()):
         rows = ctx.rows_at(p for pair in holds.examples for p in pair)
         examples = sorted(
             ((rows[p], rows[q]) for p, q in holds.examples if p in rows and q in rows),
             key=lambda pair: pair[0].start,
         )
-        delays = sorted(holds.delays)
-        median = delays[len(delays) // 2]
+        median, spread = _ms_spread(holds.delays)
         evidence = [
             f"{holds.count} of the {ctx.shared(a, b)} requests both taps saw; the first event "
-            f"{median * 1000:.0f} ms later at tap {a} than at tap {b} (median; "
-            f"{delays[0] * 1000:.0f} to {delays[-1] * 1000:.0f} ms)"
+            f"{median} ms later at tap {a} than at tap {b} ({spread})"
         ]
         for held, prompt in examples:
             evidence += [
@@ -1492,7 +1512,7 @@ def analyze_first_events(ctx: Context) -> list[dict[str, Any]]:
                 "first_event_held",
                 "proxy",
                 f"The hop between tap {a} and tap {b} held the first event of {holds.count} "
-                f"stream(s) about {median * 1000:.0f} ms after the response head, which tap "
+                f"stream(s) about {median} ms after the response head, which tap "
                 f"{b} got at once: it writes the two separately without TCP_NODELAY, and the "
                 "delayed ACK of the host in front holds the second (the SGLang router does "
                 "not set TCP_NODELAY).",
@@ -1513,20 +1533,18 @@ def analyze_reused_first_events(ctx: Context) -> list[dict[str, Any]]:
     Nagle keeps back comes only later on a connection). The engine's first token does not
     depend on which connection a request came on. A note, medium confidence; not told
     for a tap that ``analyze_first_events`` told it for already."""
-    told = {a for (a, b), holds in ctx.first_held.items() if b in ctx.next_taps(a)}
+    told = _held_first_events(ctx)
     out: list[dict[str, Any]] = []
     for tap, stats in sorted(ctx.first_waits.items()):
         if tap in told or not stats.pattern:
             continue
         rows = ctx.rows_at(stats.examples[True] + stats.examples[False])
         quoted = sorted(rows.values(), key=lambda r: r.start)
-        waits = sorted(stats.waits)
-        median = waits[len(waits) // 2]
+        median, spread = _ms_spread(stats.waits)
         party = "engine" if quoted and ctx.upstream_is_serving(quoted[0]) else "proxy"
         evidence = [
             f"reused connections: the first event of {stats.reused_held} of {stats.reused} "
-            f"streams {median * 1000:.0f} ms after the response head (median; "
-            f"{waits[0] * 1000:.0f} to {waits[-1] * 1000:.0f} ms)",
+            f"streams {median} ms after the response head ({spread})",
             f"fresh connections: {stats.fresh_prompt} of {stats.fresh} within "
             f"{FIRST_EVENT_PROMPT * 1000:.0f} ms",
         ]
@@ -1540,7 +1558,7 @@ def analyze_reused_first_events(ctx: Context) -> list[dict[str, Any]]:
                 "first_event_held",
                 party,
                 f"On reused connections the first event of {stats.reused_held} stream(s) "
-                f"came about {median * 1000:.0f} ms after the response head at tap {tap}, on "
+                f"came about {median} ms after the response head at tap {tap}, on "
                 "fresh ones at once: the hop upstream writes the two separately without "
                 "TCP_NODELAY and the tap's delayed ACK holds the second (the SGLang router "
                 "does not set TCP_NODELAY). A tap behind that hop would confirm it.",
