@@ -103,7 +103,8 @@ class _Flow:
 
 class TracerFaults:
     def __init__(self) -> None:
-        self.plan: FaultPlan | None = None
+        self.plan = FaultPlan()
+        self._configured = False
         self._positions: dict[str, int] = {}  # client connection id -> requests seen
         self._flows: dict[str, _Flow] = {}
 
@@ -129,8 +130,17 @@ class TracerFaults:
             if why is not None:
                 raise _options_error(f"tracer_faults: {spec!r}: {why}")
             faults.append(fault)
-        self.plan = FaultPlan(faults) if faults else None
-        self._flows.clear()
+        if not faults and not self._configured:
+            self._configured = True
+            return
+        self._configured = True
+        # the same plan object, anew: flows already decided keep their faults, positions
+        # on open connections go on counting
+        self.plan.replace(faults)
+        tracer = ctx.master.addons.get("traceaddon")  # type: ignore[no-untyped-call]
+        if tracer is not None:
+            tracer.record_fault_plan(self.plan.specs, "replace" if faults else "clear")
+        log.warning("tracer faults now: %s", ", ".join(self.plan.specs) or "none")
 
     # ---- requests -------------------------------------------------------------------
 
@@ -138,10 +148,10 @@ class TracerFaults:
         self._positions.pop(client.id, None)
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
-        if self.plan is None:
-            return
         cid = flow.client_conn.id
         seq = self._positions[cid] = self._positions.get(cid, 0) + 1
+        if not self.plan.faults:
+            return
         decision = self.plan.decide(flow.request.method, flow.request.path, seq)
         if decision.empty:
             return

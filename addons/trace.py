@@ -1408,6 +1408,18 @@ class TraceAddon:
             )
         )
 
+    def record_fault_plan(self, specs: list[str], change: Literal["replace", "clear"]) -> None:
+        """The faults ``addons/faults.py`` applies from now on (``tracer_faults`` set, at
+        the start or anew while mitmproxy runs), as a ``fault_plan`` record."""
+        if self.writer is None:
+            return
+        now = time.monotonic()
+        self._emit(
+            ev.FaultPlanChanged(
+                t=now + self._wall, m=now, tap=self.tap, faults=list(specs), change=change
+            )
+        )
+
     # ---- output ---------------------------------------------------------------------------
 
     def _emit(self, event: ev.Event) -> None:

@@ -22,7 +22,7 @@ import pytest
 from mitmproxy import exceptions, http
 
 from tracer import events as ev
-from tracer.capture import read_events
+from tracer.capture import read_events, read_records
 from tracer.faults import parse_fault, status_body
 
 from .conftest import recv_all, recv_until
@@ -79,7 +79,7 @@ def test_options_are_validated() -> None:
         tctx.configure(addon, tracer_faults=["hang-on-reuse:3", "status:503@every=2"])
         assert addon.plan is not None and len(addon.plan.faults) == 2
         tctx.configure(addon, tracer_faults=[])
-        assert addon.plan is None
+        assert addon.plan.faults == ()
         for spec, message in [
             ("hang-on-resue:3", "did you mean hang-on-reuse?"),
             ("close-idle-after:1", "no hook on an idle connection"),
@@ -119,6 +119,45 @@ def test_request_faults_count_positions_per_client_connection() -> None:
         addon.requestheaders(again)
         addon.request(again)
         assert not again.intercepted  # a new connection counts from 1 again
+
+
+def test_faults_set_anew_while_mitmproxy_runs(tmp_path: Path) -> None:
+    """``tracer_faults`` set again (mitmproxy's ``set`` command, mitmweb's options): the
+    plan changes from the next request on, flows already decided keep their faults,
+    positions on open connections go on counting, and the capture gets ``fault_plan``."""
+    from .test_addon_trace import trace
+
+    tracer = trace.TraceAddon()
+    addon = faults.TracerFaults()
+    capture = tmp_path / "cap.jsonl"
+    with taddons.context(tracer, addon) as tctx:
+        tctx.configure(tracer, tracer_capture=str(capture))
+        tctx.configure(addon, tracer_faults=["status:503@pos=1"])
+        one = tflow.tclient_conn()
+        first, held = _flow(one), _flow(one)
+        addon.requestheaders(first)
+        addon.requestheaders(held)  # decided under the first plan: not faulted
+        tctx.configure(addon, tracer_faults=["hang-on-reuse:2", "hang-on-reuse:3"])
+        addon.request(first)
+        addon.request(held)
+        assert first.response is not None and first.response.status_code == 503
+        assert not held.intercepted
+        third = _flow(one)  # request 3 on the connection: the new plan's
+        addon.requestheaders(third)
+        addon.request(third)
+        assert third.intercepted
+        tctx.configure(addon, tracer_faults=[])
+        fourth = _flow(one)
+        addon.requestheaders(fourth)
+        addon.request(fourth)
+        assert not fourth.intercepted
+        tracer.done()
+    plans = [(r["change"], r["faults"]) for r in read_records(capture) if r["type"] == "fault_plan"]
+    assert plans == [
+        ("replace", ["status:503@pos=1"]),
+        ("replace", ["hang-on-reuse:2", "hang-on-reuse:3"]),
+        ("clear", []),
+    ]
 
 
 def test_half_open_holds_the_flow_before_its_body() -> None:

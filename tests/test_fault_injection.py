@@ -737,6 +737,115 @@ async def test_cli_proxy_with_faults(tmp_path: Path) -> None:
     ]
 
 
+async def test_faults_changed_while_the_tap_runs(tmp_path: Path) -> None:
+    """``--fault-control``: the admin's ``/faults`` changes the plan of a running
+    ``tracer proxy``; open connections get the new plan at their next request, requests
+    keep their positions, a bad spec changes nothing, and every change is in the capture."""
+    import httpx
+
+    from .test_cli_proxy import _free_port, tracer_proxy
+
+    upstream = Upstream()
+    capture = tmp_path / "control.jsonl"
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    upstream.port = int(listener.extra(SocketAttribute.local_port))
+    admin_port = await _free_port()
+    faults_url = f"http://127.0.0.1:{admin_port}/faults"
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, upstream.serve)
+        args = ["proxy", "--listen", "127.0.0.1:0", "--upstream"]
+        args += [f"http://127.0.0.1:{upstream.port}", "--capture", str(capture)]
+        args += ["--admin", f"127.0.0.1:{admin_port}", "--fault-control", "--tap", "t"]
+        async with tracer_proxy(*args) as proc, httpx.AsyncClient() as admin:
+            answer = status_response(parse_fault("status:503@path=/v1/chat/*"))
+            async with await anyio.connect_tcp("127.0.0.1", proc.port) as s:
+                assert await exchange(s, CHAT, STREAM) == STREAM  # no faults: byte for byte
+                got = (await admin.get(faults_url)).json()
+                assert got == {"faults": [], "control": True, "injected": {}}
+                r = await admin.put(
+                    faults_url, content=b"# chat only\nstatus:503@path=/v1/chat/*\n"
+                )
+                assert r.status_code == 200 and r.json()["faults"] == ["status:503@path=/v1/chat/*"]
+                base_url = f"http://127.0.0.1:{proc.port}/v1"
+                async with openai.AsyncOpenAI(
+                    base_url=base_url, api_key="sk-test", max_retries=0, timeout=5
+                ) as client:
+                    with pytest.raises(openai.InternalServerError) as caught:
+                        await chat(client)
+                    assert caught.value.status_code == 503
+                # the connection opened before the change: its next request gets the plan
+                assert await exchange(s, CHAT, answer) == answer
+                assert await exchange(s, GET_MODELS, MODELS) == MODELS  # not matched
+                r = await admin.post(faults_url, content=b"hang-on-reuse:4")
+                assert r.json()["faults"] == ["status:503@path=/v1/chat/*", "hang-on-reuse:4"]
+                bad = await admin.put(faults_url, content=b"drop-done\nhang-on-reuse:1")
+                assert bad.status_code == 400 and "integer >= 2" in bad.json()["error"]
+                assert len((await admin.get(faults_url)).json()["faults"]) == 2  # unchanged
+                await s.send(GET_MODELS)  # request 4 on this connection: held
+                await nothing_for(s, 0.3)
+                r = await admin.delete(faults_url)
+                assert r.json()["faults"] == [] and r.json()["injected"] == {
+                    "hang-on-reuse": 1,
+                    "status": 2,
+                }
+                await nothing_for(s, 0.1)  # decided before the change: stays held
+                async with await anyio.connect_tcp("127.0.0.1", proc.port) as fresh:
+                    assert await exchange(fresh, CHAT, STREAM) == STREAM
+                status = (await admin.get(f"http://127.0.0.1:{admin_port}/status")).json()
+                assert status["faults"]["faults"] == [] and status["faults"]["control"]
+                assert [e["kind"] for e in status["recent"]].count("fault_plan") == 3
+        tg.cancel_scope.cancel()
+    assert upstream.received(1) == [CHAT, GET_MODELS]
+    records = list(read_records(capture))
+    assert records[0]["options"]["fault_control"] is True
+    plans = [(r["change"], r["faults"]) for r in records if r["type"] == "fault_plan"]
+    assert plans == [
+        ("replace", ["status:503@path=/v1/chat/*"]),
+        ("add", ["status:503@path=/v1/chat/*", "hang-on-reuse:4"]),
+        ("clear", []),
+    ]
+    injected = [(r["conn"], r["seq"], r["fault"]) for r in records if r["type"] == "fault"]
+    assert injected == [(2, 1, "status"), (1, 2, "status"), (1, 4, "hang-on-reuse")]
+    result = await anyio.run_process(
+        [sys.executable, "-m", "tracer", "analyze", str(capture), "--format", "json"]
+    )
+    doc = json.loads(result.stdout)
+    assert [p["change"] for p in doc["evidence"]["fault_plans"]] == ["replace", "add", "clear"]
+    assert doc["evidence"]["injected_faults"] == 3
+
+
+def test_fault_control_needs_the_admin_endpoint() -> None:
+    cmd = [sys.executable, "-m", "tracer", "proxy", "--listen", "127.0.0.1:0"]
+    cmd += ["--upstream", "http://127.0.0.1:9", "--fault-control"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    assert proc.returncode == 2
+    assert "--fault-control needs --admin" in proc.stderr
+
+
+def test_fixed_faults_are_shown_and_not_changed() -> None:
+    """Without ``--fault-control`` the plan is read-only: the tap's connections do not
+    follow requests for faults, so a plan set later could not reach them."""
+    from tracer.admin import AdminServer
+    from tracer.relay import Tap, TapConfig
+
+    config = TapConfig("127.0.0.1", 0, "127.0.0.1", 9, faults=[parse_fault("drop-done")])
+    admin = AdminServer(Tap(config), "127.0.0.1", 0)
+    status, _, body = admin.route("GET", "/faults")
+    assert status == 200 and json.loads(body)["faults"] == ["drop-done"]
+    status, _, body = admin.route("PUT", "/faults", b"status:503")
+    assert status == 403 and "--fault-control" in json.loads(body)["error"]
+    assert admin.route("PATCH", "/faults")[0] == 405
+    controlled = AdminServer(
+        Tap(TapConfig("127.0.0.1", 0, "127.0.0.1", 9, fault_control=True)), "127.0.0.1", 0
+    )
+    status, _, body = controlled.route("PUT", "/faults", b'["status:503@every=2", "drop-done"]')
+    assert status == 200 and json.loads(body)["faults"] == ["status:503@every=2", "drop-done"]
+    status, _, body = controlled.route("POST", "/faults", b"\n# nothing\n")
+    assert status == 400 and "no fault spec" in json.loads(body)["error"]
+    status, _, body = controlled.route("PUT", "/faults", b'["status:503", 7]')
+    assert status == 400 and "list of fault specs" in json.loads(body)["error"]
+
+
 def test_cli_refuses_a_bad_fault_spec() -> None:
     cmd = [sys.executable, "-m", "tracer", "proxy", "--listen", "127.0.0.1:0"]
     cmd += ["--upstream", "http://127.0.0.1:9", "--fault", "stall-after-events:2"]

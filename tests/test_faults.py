@@ -212,6 +212,21 @@ def test_times_limits_injections() -> None:
     assert _decide(plan, 4) == ["status", "status", None, None]
 
 
+def test_a_plan_changed_at_run_time() -> None:
+    """``replace`` starts the counters afresh; ``add`` keeps those of the faults there."""
+    plan = FaultPlan()
+    assert plan.decide("POST", "/", 1).empty and plan.specs == []
+    plan.add([parse_fault("status:500@times=1")])
+    assert _decide(plan, 2) == ["status", None]
+    plan.add([parse_fault("drop-request@every=2")])
+    assert plan.specs == ["status:500@times=1", "drop-request@every=2"]
+    assert _decide(plan, 4) == [None, "drop-request", None, "drop-request"]  # times=1 spent
+    plan.replace([parse_fault("status:500@times=1")])
+    assert _decide(plan, 2) == ["status", None]  # counted anew
+    plan.replace([])
+    assert plan.faults == () and _decide(plan, 2) == [None, None]
+
+
 def test_request_faults_are_exclusive_response_faults_combine() -> None:
     plan = FaultPlan(
         [

@@ -321,6 +321,16 @@ def test_render_caps_long_tables_and_copes_with_an_empty_tap() -> None:
     assert "recent findings: none" in empty
 
 
+def test_a_tap_injecting_faults_says_so_on_top() -> None:
+    faults = {"faults": ["status:503@every=2"], "control": True, "injected": {"status": 3}}
+    status = {"tap": "t", "upstream": "http://u:1", "uptime": 1, "connections": []}
+    recent = [{"age": 2.0, "kind": "fault_plan", "detail": "replace: status:503@every=2"}]
+    text = render_text({**status, "faults": faults, "recent": recent}, width=140)
+    assert text.splitlines()[0].endswith("· injecting status:503@every=2")
+    assert re.search(r"2\.0s ago\s+fault_plan\s+replace: status:503@every=2", text)
+    assert "injecting" not in render_text({**status, "faults": {"faults": []}}, width=140)
+
+
 def test_status_url() -> None:
     assert status_url("127.0.0.1:9100") == "http://127.0.0.1:9100/status"
     assert status_url("http://localhost:9100/") == "http://localhost:9100/status"

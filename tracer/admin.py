@@ -1,4 +1,5 @@
-"""The tap's admin endpoint: ``/metrics`` (Prometheus text) and ``/status`` (JSON).
+"""The tap's admin endpoint: ``/metrics`` (Prometheus text), ``/status`` (JSON), ``POST
+/mark`` and ``/faults`` (the fault plan; changed at run time with ``--fault-control``).
 
 A deliberately small HTTP/1.1 server on anyio + h11. Loopback only unless the operator
 says otherwise: it reveals live traffic metadata.
@@ -19,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import h11
@@ -29,6 +30,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from . import events as ev
+from .faults import Fault, FaultSpecError, parse_fault
 from .relay import Tap
 
 log = structlog.get_logger("tracer.admin")
@@ -184,6 +186,9 @@ class LiveState:
                 self._note(event, "probe", event.trigger_conn, event.trigger_seq, detail)
             case ev.Mark():
                 self._note(event, "mark", None, None, event.note or "hang marked")
+            case ev.FaultPlanChanged():
+                detail = ", ".join(event.faults) or "no faults"
+                self._note(event, "fault_plan", None, None, f"{event.change}: {detail}")
             case ev.EngineSample():
                 self.samples[(event.url, event.source)] = event
                 was = self._scrape_ok.get(event.url, True)
@@ -310,13 +315,15 @@ class AdminServer:
             if method != "POST":
                 return 405, "text/plain", b"POST /mark (body: an optional note)\n"
             return 200, "application/json", json.dumps(self.mark(body)).encode()
+        if path == "/faults":
+            return self.faults(method, body)
         if method != "GET":
             return 405, "text/plain", b"method not allowed\n"
         if path == "/metrics":
             return 200, "text/plain; version=0.0.4; charset=utf-8", generate_latest(self.registry)
         if path == "/status":
             return 200, "application/json", json.dumps(self.status(), indent=1).encode()
-        return 404, "text/plain", b"not found: try /metrics, /status or POST /mark\n"
+        return 404, "text/plain", b"not found: try /metrics, /status, /faults or POST /mark\n"
 
     def status(self) -> dict[str, Any]:
         """The tap's own status, with request targets, totals, engines and recent events."""
@@ -331,6 +338,7 @@ class AdminServer:
                 req["request"] = target
                 req["request_id"] = request_id
         status["stall_after"] = tap.config.stall_after
+        status["faults"] = self.fault_status()
         status["totals"] = {
             "connections": stats.connections_total,
             "connections_open": stats.connections_open,
@@ -346,6 +354,40 @@ class AdminServer:
         status["recent"] = self.live.recent_events(now)
         return status
 
+    def faults(self, method: str, body: bytes) -> tuple[int, str, bytes]:
+        """``/faults``: GET the plan; with ``--fault-control``, PUT a new one (specs, one
+        per line, or a JSON list), POST specs to add, DELETE them all. A body with a spec
+        that does not parse changes nothing (400, saying what is wrong)."""
+        tap = self.tap
+        if method == "GET":
+            return _json(200, self.fault_status())
+        if method not in ("PUT", "POST", "DELETE"):
+            return 405, "text/plain", b"GET, PUT, POST or DELETE /faults\n"
+        if not tap.config.fault_control:
+            return _json(403, {"error": "the faults are fixed: start the tap with --fault-control"})
+        faults: list[Fault] = []
+        if method != "DELETE":
+            try:
+                faults = parse_fault_list(body)
+            except FaultSpecError as exc:
+                return _json(400, {"error": str(exc)})
+            if method == "POST" and not faults:
+                return _json(400, {"error": "POST /faults: no fault spec in the body"})
+        change: Literal["replace", "add", "clear"] = (
+            "add" if method == "POST" else "replace" if faults else "clear"
+        )
+        event = tap.change_faults(faults, change)
+        return _json(200, {**self.fault_status(), "changed": event.t})
+
+    def fault_status(self) -> dict[str, Any]:
+        tap = self.tap
+        plan = tap.fault_plan
+        return {
+            "faults": plan.specs if plan is not None else [],
+            "control": tap.config.fault_control,
+            "injected": dict(sorted(tap.stats.faults.items())),
+        }
+
     def mark(self, body: bytes) -> dict[str, Any]:
         """Record "the harness was seen hung now" in the capture (analysis: like --hang-at)."""
         now = time.monotonic()
@@ -354,6 +396,26 @@ class AdminServer:
         self.tap.emit(event)
         log.info("hang marked", note=note)
         return {"marked": event.t, "note": note}
+
+
+def _json(status: int, doc: dict[str, Any]) -> tuple[int, str, bytes]:
+    return status, "application/json", json.dumps(doc, indent=1).encode()
+
+
+def parse_fault_list(body: bytes) -> list[Fault]:
+    """Fault specs from a request body: a JSON list of strings, or one spec per line
+    (blank lines and ``#`` comments skipped). Raises ``FaultSpecError``."""
+    text = body.decode("utf-8", "replace").strip()
+    if text.startswith("["):
+        try:
+            specs = json.loads(text)
+        except ValueError as exc:
+            raise FaultSpecError(f"not a JSON list of fault specs: {exc}") from None
+        if not isinstance(specs, list) or not all(isinstance(x, str) for x in specs):
+            raise FaultSpecError("a JSON body must be a list of fault specs (strings)")
+    else:
+        specs = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    return [parse_fault(spec) for spec in specs if spec.strip()]
 
 
 async def _next_request(conn: h11.Connection, stream: SocketStream) -> Any:

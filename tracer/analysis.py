@@ -331,6 +331,7 @@ class Summary:
         self.health_samples = ChunkLog(limit=spill_samples)
         self.probes: list[dict[str, Any]] = []
         self.faults: list[dict[str, Any]] = []
+        self.fault_plans: list[dict[str, Any]] = []  # the faults changed at run time
         self.marks: list[float] = []  # "the harness was seen hung" times
         # client connections that failed before a first request (not HTTP, a failed TLS
         # handshake): the first few, and how many in all
@@ -583,6 +584,15 @@ class Summary:
                             req.injected.append(str(record.get("spec") or record.get("fault")))
                 elif event.TYPE == "mark":
                     self.marks.append(event.t)
+                elif isinstance(event, ev.FaultPlanChanged):
+                    self.fault_plans.append(
+                        {
+                            "tap": event.tap,
+                            "t": event.t,
+                            "change": event.change,
+                            "faults": list(event.faults),
+                        }
+                    )
 
     def _event_times(self, event: ev.BodyData) -> None:
         req = self._request(event.tap, event.conn, event.seq, event.t)
@@ -714,6 +724,7 @@ class Summary:
                 "probes": self.probes,
                 "health_samples": len(self.health_samples),
                 "injected_faults": len(self.faults),
+                "fault_plans": sorted(self.fault_plans, key=lambda p: (p["t"], p["tap"])),
                 "marks": marks,
                 "tap_pairs": evidence.tap_pairs,
             },

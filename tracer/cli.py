@@ -80,6 +80,16 @@ def _fault_epilog() -> str:
         "  e.g. tracer proxy --listen 127.0.0.1:8080 --upstream http://127.0.0.1:30000 "
         "--fault hang-on-reuse:3"
     )
+    lines += [
+        "faults changed while the tap runs (--fault-control, with --admin 127.0.0.1:9100; each",
+        "change applies from the next request head on, and is a `fault_plan` record):",
+        "  curl -s 127.0.0.1:9100/faults                          the plan and the injections",
+        "  curl -s -X PUT --data-binary 'status:503@every=2' 127.0.0.1:9100/faults",
+        "                                                         a new plan, one spec a line",
+        "  curl -s -X POST --data-binary 'hang-on-reuse:3' 127.0.0.1:9100/faults",
+        "                                                         one more fault",
+        "  curl -s -X DELETE 127.0.0.1:9100/faults                no faults",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -178,6 +188,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help="inject a fault into matching requests (repeatable; faults combine); "
         "NAME[:ARG...][@RULE,...], listed below. Off by default",
+    )
+    px.add_argument(
+        "--fault-control",
+        action="store_true",
+        help="ALTERS TRAFFIC (opt-in): the faults can be changed while the tap runs, through "
+        "--admin's /faults (see below); every connection is then followed for faults",
     )
     px.add_argument(
         "--otlp",
@@ -355,10 +371,13 @@ def _proxy(args: argparse.Namespace) -> int:
         bodies=args.bodies,
         max_header_bytes=args.max_header_bytes,
         faults=list(args.fault),
+        fault_control=args.fault_control,
         inject_request_id=args.inject_request_id,
     )
-    if args.inject_request_id and args.fault:
+    if args.inject_request_id and (args.fault or args.fault_control):
         raise ValueError("--inject-request-id and --fault cannot be combined (yet)")
+    if args.fault_control and admin is None:
+        raise ValueError("--fault-control needs --admin HOST:PORT (its /faults changes them)")
     writer: CaptureWriter | None = None
     if args.capture:
         try:

@@ -451,3 +451,19 @@ class FaultInjected(Event):
     fault: str
     spec: str
     detail: str | None = None
+
+
+@_register
+@dataclass(slots=True, kw_only=True)
+class FaultPlanChanged(Event):
+    """The tap's faults changed while it ran (``tracer proxy --fault-control``: the admin's
+    ``/faults``; mitmproxy: the ``tracer_faults`` option set anew).
+
+    ``faults`` is the whole plan from now on (specs as given; empty: none), ``change``
+    how it came about. Requests whose head came before keep the faults they were given;
+    the plan at the start is in the header's ``options.faults``.
+    """
+
+    TYPE: ClassVar[str] = "fault_plan"
+    faults: list[str]
+    change: Literal["replace", "add", "clear"]

@@ -386,13 +386,34 @@ NO_FAULT = Decision()
 
 
 class FaultPlan:
-    """The faults of one tap, with the counters their rules need, shared by its connections."""
+    """The faults of one tap, with the counters their rules need, shared by its connections.
 
-    def __init__(self, faults: Sequence[Fault]) -> None:
-        self.faults = tuple(faults)
-        self._matched = [0] * len(self.faults)  # requests the static conditions matched
-        self._applied = [0] * len(self.faults)
-        self._rng = [random.Random(f.rule.seed) for f in self.faults]
+    It can change while connections use it (``tracer proxy --fault-control``): a change
+    applies from the next request head on, and a request already decided keeps its
+    faults. ``replace`` starts every counter afresh (``times=1`` given again injects once
+    more); ``add`` leaves the counters of the faults already there alone."""
+
+    def __init__(self, faults: Sequence[Fault] = ()) -> None:
+        self.faults: tuple[Fault, ...] = ()
+        self._matched: list[int] = []  # requests the static conditions matched
+        self._applied: list[int] = []
+        self._rng: list[random.Random] = []
+        self.add(faults)
+
+    def replace(self, faults: Sequence[Fault]) -> None:
+        self.faults = ()
+        self._matched, self._applied, self._rng = [], [], []
+        self.add(faults)
+
+    def add(self, faults: Sequence[Fault]) -> None:
+        self.faults += tuple(faults)
+        self._matched += [0] * len(faults)
+        self._applied += [0] * len(faults)
+        self._rng += [random.Random(f.rule.seed) for f in faults]
+
+    @property
+    def specs(self) -> list[str]:
+        return [f.spec for f in self.faults]
 
     def decide(self, method: str, target: str, pos: int) -> Decision:
         """Called once per request head, in arrival order: deterministic for a sequence."""

@@ -41,7 +41,7 @@ import struct
 import termios
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 from urllib.parse import urlsplit
@@ -88,6 +88,7 @@ class TapConfig:
     max_header_bytes: int = 64 * 1024
     max_body_keep: int = 16 * 1024 * 1024
     faults: list[Fault] = field(default_factory=list)  # --fault: opt-in, altering traffic
+    fault_control: bool = False  # --fault-control: the faults change at run time (admin)
     inject_request_id: bool = False  # --inject-request-id: opt-in, altering traffic
 
     @property
@@ -140,7 +141,9 @@ class Tap:
         self.config = config
         self.capture = capture
         self.stats = TapStats()
-        self.fault_plan = FaultPlan(config.faults) if config.faults else None
+        self.fault_plan = (
+            FaultPlan(config.faults) if config.faults or config.fault_control else None
+        )
         self.sinks = list(sinks or [])
         self.live: dict[int, _Relay] = {}
         self.stopping = False
@@ -225,6 +228,27 @@ class Tap:
         for sink in self.sinks:
             sink(event)
 
+    def change_faults(
+        self, faults: Sequence[Fault], change: Literal["replace", "add", "clear"]
+    ) -> ev.FaultPlanChanged:
+        """Change the fault plan at run time (``--fault-control``), recorded in the capture.
+        Raises ``RuntimeError`` when the tap was not started for it: its connections then
+        relay without following requests, and a plan could not reach them."""
+        plan = self.fault_plan
+        if plan is None or not self.config.fault_control:
+            raise RuntimeError("the faults are fixed: start the tap with --fault-control")
+        if change == "add":
+            plan.add(faults)
+        else:
+            plan.replace(faults)
+        now = time.monotonic()
+        event = ev.FaultPlanChanged(
+            t=now + self._wall, m=now, tap=self.config.name, faults=plan.specs, change=change
+        )
+        self.emit(event)
+        log.warning("fault plan changed", change=change, faults=plan.specs)
+        return event
+
     @property
     def wall_offset(self) -> float:
         """Add to a monotonic time to get wall-clock time (fixed at start)."""
@@ -235,6 +259,8 @@ class Tap:
         cfg = self.config
         if cfg.faults:
             extra["faults"] = [f.spec for f in cfg.faults]
+        if cfg.fault_control:
+            extra["fault_control"] = True  # the faults may change: fault_plan records
         if cfg.inject_request_id:
             extra["inject_request_id"] = True  # this tap altered requests (opt-in)
         return ev.CaptureStart(

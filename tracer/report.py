@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from .timeline import Timeline
 
 SCHEMA = "tracer.report/1"
+MAX_PLANS_SHOWN = 20  # fault plan changes listed in the Markdown's provenance
 AROUND = 1.5  # seconds of engine samples taken on either side of a finding's window
 MD_ROWS = 60  # rows of a Markdown table before the rest is left to the JSON
 MD_FINDINGS = 12  # findings shown in full; the others of the same kind as one line each
@@ -233,6 +234,7 @@ def build(
                 {str(t["tracer_version"]) for t in result["taps"] if t.get("tracer_version")}
             ),
             "hang_at": hang_at,
+            "fault_plans": result["evidence"].get("fault_plans", []),
             "client_facing": client_facing,
             "command": command,
         },
@@ -913,6 +915,14 @@ def _provenance_md(doc: dict[str, Any]) -> list[str]:
     ]
     if p["hang_at"]:
         out.append("- hang marks given: " + ", ".join(f"{t:.3f}" for t in p["hang_at"]))
+    for plan in p["fault_plans"][:MAX_PLANS_SHOWN]:
+        faults = ", ".join(f"`{f}`" for f in plan["faults"]) or "none"
+        out.append(
+            f"- faults changed at tap {plan['tap']}, {_iso(plan['t'])} ({plan['change']}): "
+            f"{faults} from then on"
+        )
+    if len(p["fault_plans"]) > MAX_PLANS_SHOWN:
+        out.append(f"- ... and {len(p['fault_plans']) - MAX_PLANS_SHOWN} more fault plan changes")
     if p["client_facing"]:
         out.append("- client-facing taps: " + ", ".join(p["client_facing"]))
     if p["command"]:

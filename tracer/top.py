@@ -53,6 +53,7 @@ _KIND_STYLE = {
     "fault": "cyan",
     "probe": "blue",
     "mark": "bold cyan",
+    "fault_plan": "cyan",
 }
 
 
@@ -248,6 +249,9 @@ def _header(status: dict[str, Any]) -> Text:
     text.append(f" · up {dur(status.get('uptime'))}")
     if status.get("stall_after") is not None:
         text.append(f" · stall after {dur(status['stall_after'])}")
+    faults = (status.get("faults") or {}).get("faults")
+    if faults:  # this tap alters traffic on purpose: say so on top
+        text.append(" · injecting " + ", ".join(faults), style="cyan")
     conns = status.get("connections") or []
     line = [
         f"connections {totals.get('connections_open', len(conns))} open"
