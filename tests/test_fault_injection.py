@@ -812,6 +812,12 @@ async def test_faults_changed_while_the_tap_runs(tmp_path: Path) -> None:
     doc = json.loads(result.stdout)
     assert [p["change"] for p in doc["evidence"]["fault_plans"]] == ["replace", "add", "clear"]
     assert doc["evidence"]["injected_faults"] == 3
+    # the tap's own doing: not the engine's 503s nor a hop's hang
+    assert doc["verdict"]["kind"] == "healthy"
+    notes = {f["summary"].split("`")[1]: f for f in doc["findings"]}
+    assert sorted(notes) == ["hang-on-reuse:4", "status:503@path=/v1/chat/*"]
+    assert {f["kind"] for f in doc["findings"]} == {"injected_fault"}
+    assert notes["status:503@path=/v1/chat/*"]["requests"] == ["t/1/2", "t/2/1"]
 
 
 def test_fault_control_needs_the_admin_endpoint() -> None:

@@ -856,3 +856,66 @@ def test_a_clean_end_without_done_or_finish_reason_is_a_logical_truncation() -> 
     end.done, end.finish_reason = False, None  # the body ended cleanly, the stream did not
     found = kinds(analyze(cap))
     assert ("engine", "logical_truncation") in found or ("unknown", "logical_truncation") in found
+
+
+def _injected(cap: Cap, t: float, conn: int, seq: int, spec: str, detail: str) -> None:
+    fault = spec.partition(":")[0].partition("@")[0]
+    cap._e(ev.FaultInjected, t, conn=conn, seq=seq, fault=fault, spec=spec, detail=detail)
+
+
+HELD = "request 3 on its connection read and not forwarded"
+
+
+def test_a_hang_the_tap_injected_itself_is_a_note_not_the_proxy() -> None:
+    """The same capture as the proxy's hang on reuse, but the tap says it held the request
+    itself (``--fault``): no fault of the client, a proxy or the engine, and the note says
+    what the analysis would have called it and what the client got."""
+    cap = Cap(upstream=PROXY)
+    _hang_on_reuse(cap)
+    _injected(cap, 2.0, 1, 3, "hang-on-reuse:3", HELD)
+    result = analyze(cap)
+    v = result["verdict"]
+    assert (v["party"], v["kind"]) == ("none", "healthy")
+    assert v["summary"].endswith("1 note(s): injected_fault.")
+    (note,) = result["findings"]
+    assert (note["party"], note["kind"], note["note"]) == ("none", "injected_fault", True)
+    assert note["requests"] == ["front/1/3"] and note["connections"] == ["front/1"]
+    assert "Tap front injected `hang-on-reuse:3` itself" in note["summary"]
+    assert "would read as: proxy_hung_on_reuse" in note["summary"]
+    assert "not forwarded; the client got termination=in_flight" in note["evidence"][0]
+    assert {r["party"] for r in note["ruled_out"]} == {"client", "proxy", "engine"}
+
+
+def test_an_injected_fault_beside_an_external_one_leaves_the_verdict_to_the_external() -> None:
+    cap = Cap(upstream=ROUTER)
+    cap.exchange(1, 1, 0.0, status=503, events=0)
+    _injected(cap, 0.0, 1, 1, "status:503@pos=1", "answered 503 without forwarding")
+    cap.exchange(1, 2, 1.0, idle=0.5)
+    cap.exchange(1, 3, 2.0, idle=0.5, status=500, events=0)  # the router's own
+    result = analyze(cap)
+    v = result["verdict"]
+    assert v["kind"] == "engine_error_status"
+    assert result["findings"][0]["requests"] == ["front/1/3"]
+    notes = [f for f in result["findings"] if f["kind"] == "injected_fault"]
+    assert [n["requests"] for n in notes] == [["front/1/1"]]
+    assert "would read as: engine_error_status" in notes[0]["summary"]
+
+
+def test_a_fault_injected_behind_another_tap_is_a_note_at_both() -> None:
+    """A tap behind the front one injected the hang: the front tap's copy of the request
+    (joined by id) is injected too, so nothing blames the hop between them."""
+    front = Cap("front", upstream=PROXY)
+    back = Cap("back", upstream=ROUTER)
+    for seq in (1, 2):
+        front.exchange(1, seq, seq * 1.0, rid=f"r{seq}", idle=0.5 if seq > 1 else 0)
+        back.exchange(1, seq, seq * 1.0 + 0.002, rid=f"r{seq}", idle=0.5 if seq > 1 else 0)
+    front.exchange(1, 3, 3.0, rid="r3", idle=0.5, end=None)
+    front.stall(1, 3, 3.0, None)
+    back.exchange(1, 3, 3.002, rid="r3", idle=0.5, end=None)
+    back.stall(1, 3, 3.002, None)
+    assert analyze(front, back)["verdict"]["party"] != "none"  # the record is what tells
+    _injected(back, 3.002, 1, 3, "hang-on-reuse:3", HELD)
+    result = analyze(front, back)
+    assert result["verdict"]["kind"] == "healthy"
+    assert kinds(result) == [("none", "injected_fault")]
+    assert result["findings"][0]["requests"] == ["back/1/3"]

@@ -677,6 +677,10 @@ class Context:
         empty otherwise."""
         return self._resolve()[2].get(request_id, {})
 
+    def masked_groups(self) -> list[dict[str, RequestRow]]:
+        """Every request ``masked`` knows, as each tap saw it."""
+        return list(self._resolve()[2].values())
+
     def seen_with(self, r: RequestRow) -> dict[str, RequestRow]:
         """A request whose events came bunched, as each tap saw it (empty when alone)."""
         return self._resolve()[1].get(r.id, {})
@@ -2030,6 +2034,86 @@ def _fold(
     return out
 
 
+def _injected_by_the_tap(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What a tap injected on purpose (``--fault``: its ``fault`` records) is never a fault
+    of the client, a proxy or the engine: a finding whose requests were all injected (at
+    some tap, for a request joined across taps) gives way to one ``injected_fault`` note
+    per tap and spec, which says what the clients got and what the analysis would have
+    called it without the record (what a resilience test, or a test of the analysis,
+    wants to read)."""
+    if not ctx.e.faults:
+        return findings
+    records: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    faults_of: dict[str, set[tuple[str, str]]] = defaultdict(set)  # request id -> its faults
+    for rec in ctx.e.faults:
+        key = (str(rec.get("tap")), str(rec.get("spec") or rec.get("fault")))
+        records[key].append(rec)
+        if isinstance(rec.get("conn"), int) and isinstance(rec.get("seq"), int):
+            faults_of[f"{key[0]}/{rec['conn']}/{rec['seq']}"].add(key)
+    for seen in [*ctx.joined(), *ctx.masked_groups()]:  # a request's copies at other taps
+        keys = set().union(*(faults_of.get(r.id, set()) for r in seen.values()))
+        if keys:
+            for r in seen.values():
+                faults_of[r.id] |= keys
+    kept: list[dict[str, Any]] = []
+    read_as: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for f in findings:
+        if f["requests"] and all(rid in faults_of for rid in f["requests"]):
+            for rid in f["requests"]:
+                for key in faults_of[rid]:
+                    read_as[key].add(f["kind"])
+        else:
+            kept.append(f)
+    rows = {r.id: r for r in ctx.interesting if r.injected}
+    return kept + [_injected_note(k, records[k], rows, read_as[k]) for k in sorted(records)]
+
+
+def _injected_note(
+    key: tuple[str, str],
+    records: list[dict[str, Any]],
+    rows: dict[str, RequestRow],
+    read_as: set[str],
+) -> dict[str, Any]:
+    tap, spec = key
+    ids = sorted(
+        {f"{tap}/{r['conn']}/{r['seq']}" for r in records if isinstance(r.get("seq"), int)},
+        key=lambda rid: tuple(int(x) if x.isdigit() else 0 for x in rid.split("/")[-2:]),
+    )
+    evidence = []
+    for rec in records[:MAX_QUOTED]:
+        seq = rec.get("seq")
+        rid = f"{tap}/{rec.get('conn')}" + (f"/{seq}" if isinstance(seq, int) else "")
+        row = rows.get(rid)
+        line = f"{_ts(rec['t'])} {rid}" + (f" {row.method} {row.target}" if row else "")
+        line += f": {rec.get('detail') or spec}"
+        if row is not None:
+            line += f"; the client got {_outcome_quote(row)}"
+        evidence.append(line)
+    if len(records) > MAX_QUOTED:
+        evidence.append(f"... and {len(records) - MAX_QUOTED} more injection(s)")
+    summary = (
+        f"Tap {tap} injected `{spec}` itself (opt-in --fault), {len(records)} time(s)"
+        + (f", on {len(ids)} request(s)" if ids else "")
+        + ": not a fault of the client, a proxy or the engine."
+    )
+    if read_as:
+        summary += f" Without its fault records it would read as: {', '.join(sorted(read_as))}."
+    why = f"tap {tap} injected it on purpose (its fault records)"
+    return {
+        "party": "none",
+        "kind": "injected_fault",
+        "summary": summary,
+        "requests": ids,
+        "connections": sorted({f"{tap}/{r.get('conn')}" for r in records}),
+        "evidence": evidence,
+        "ruled_out": [{"party": p, "why": why} for p in ("client", "proxy", "engine")],
+        "confidence": "high",
+        "settle": None,
+        "note": True,
+        "t": min(float(r["t"]) for r in records),
+    }
+
+
 def find(e: Evidence) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """All findings (sorted, numbered) and the verdict."""
     ctx = Context(e)
@@ -2038,6 +2122,7 @@ def find(e: Evidence) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     for analyzer in ANALYZERS:
         findings += analyzer(ctx)
     findings = _join_taps(ctx, findings)
+    findings = _injected_by_the_tap(ctx, findings)
     findings.sort(
         key=lambda f: (
             f["note"],
