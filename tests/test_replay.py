@@ -207,6 +207,37 @@ async def test_hang_on_reuse_reproduced_and_fresh_connections_complete(tmp_path:
     assert per_conn(tmp_path / "fresh.jsonl") == [[1]] * 6
 
 
+async def test_a_fault_the_capturing_tap_injected_is_named_when_the_replay_differs(
+    tmp_path: Path,
+) -> None:
+    """Captured through a tap that injected the hang itself (``--fault``), replayed straight
+    to the engine: the divergence is the missing fault, and the verdict says so."""
+    from tracer.faults import parse_fault
+
+    async with engine_running(ttft=0.0, itl=0.002) as engine:
+        assert engine.bound is not None
+        config = HarnessConfig(
+            base_url="", sessions=1, rounds=3, think=0.05, max_tokens=4, deadline=1.5
+        )
+        original, report = await capture_session(
+            engine.bound[1],
+            tmp_path,
+            config,
+            stall_after=0.5,
+            faults=[parse_fault("hang-on-reuse:2")],
+        )
+        assert [r.outcome for r in report.rounds] == ["complete", "hung"]
+        code, doc, err = await replay(str(original), "--target", engine.url, "--stall-timeout", "1")
+    assert code == 0, err
+    assert doc is not None and doc["verdict"]["diverged_at"] == "1:2"
+    assert (
+        "original hung (injected by the capturing tap: hang-on-reuse:2; replay through a "
+        "tracer proxy with the same --fault to have it again), replay complete"
+    ) in doc["verdict"]["summary"]
+    row = next(r for r in doc["requests"] if r["request"] == "1:2")
+    assert row["original"]["injected"] == ["hang-on-reuse:2"] and row["replay"]["injected"] is None
+
+
 async def test_missing_bodies_is_a_clear_error(tmp_path: Path) -> None:
     async with engine_running(ttft=0.0, itl=0.001) as engine:
         assert engine.bound is not None

@@ -304,6 +304,7 @@ class Side:
     request_id: str | None = None
     detail: str | None = None
     read_time: float | None = None  # replay only: from sending to the client's last read
+    injected: list[str] | None = None  # faults the capturing tap injected itself (--fault)
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -326,6 +327,7 @@ def side(capture: Capture, req: CapturedRequest, origin_m: float) -> Side:
         termination=row.termination if row else None,
         start_offset=req.head_m - origin_m,
         request_id=req.request_id,
+        injected=list(row.injected) if row and row.injected else None,
     )
 
 
@@ -355,9 +357,15 @@ class Comparison:
         first, replayed = differing[0]
         got = replayed.outcome if replayed is not None else "not replayed"
         where = f"{first.conn}:{first.seq}"
+        injected = (
+            f" (injected by the capturing tap: {', '.join(first.injected)}; replay through "
+            "a tracer proxy with the same --fault to have it again)"
+            if first.injected
+            else ""
+        )
         text = (
             f"not reproduced: diverged at {where} (connection {first.conn}, request "
-            f"{first.seq}): original {first.outcome}, replay {got}; "
+            f"{first.seq}): original {first.outcome}{injected}, replay {got}; "
             f"{len(differing)} of {len(self.rows)} requests differ"
         )
         return {
