@@ -104,7 +104,6 @@ class _Flow:
 class TracerFaults:
     def __init__(self) -> None:
         self.plan = FaultPlan()
-        self._configured = False
         self._positions: dict[str, int] = {}  # client connection id -> requests seen
         self._flows: dict[str, _Flow] = {}
 
@@ -130,10 +129,10 @@ class TracerFaults:
             if why is not None:
                 raise _options_error(f"tracer_faults: {spec!r}: {why}")
             faults.append(fault)
-        if not faults and not self._configured:
-            self._configured = True
+        if [f.spec for f in faults] == self.plan.specs:
+            # nothing set at the start; or mitmproxy setting the option back after it
+            # refused another value: the plan in force goes on, counters and all
             return
-        self._configured = True
         # the same plan object, anew: flows already decided keep their faults, positions
         # on open connections go on counting
         self.plan.replace(faults)

@@ -240,11 +240,20 @@ def free_port() -> int:
 
 @asynccontextmanager
 async def mitmdump(
-    upstream: str, tmp_path: Path, *specs: str, capture: Path | None = None
+    upstream: str,
+    tmp_path: Path,
+    *specs: str,
+    capture: Path | None = None,
+    web: tuple[int, str] | None = None,
 ) -> AsyncIterator[str]:
+    """mitmdump with the addons in reverse mode; with ``web`` (port, password): mitmweb,
+    whose REST API changes options while it runs."""
     port = free_port()
     log_path = tmp_path / f"mitmdump-{port}.log"
     cmd = [str(MITMDUMP), "--set", "flow_detail=0"]
+    if web is not None:
+        cmd = [str(MITMDUMP.parent / "mitmweb"), "--web-port", str(web[0])]
+        cmd += ["--set", "web_open_browser=false", "--set", f"web_password={web[1]}"]
     if capture is not None:  # the trace addon first, as addons/faults.py asks
         cmd += ["-s", str(REPO / "addons" / "trace.py"), "--set", f"tracer_capture={capture}"]
     cmd += ["-s", str(ADDON)]
@@ -268,6 +277,48 @@ async def mitmdump(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+
+
+@pytest.mark.anyio
+async def test_faults_set_through_mitmwebs_api_while_it_runs(tmp_path: Path) -> None:
+    """Real mitmproxy: ``tracer_faults`` changed through mitmweb's REST API (what its
+    options editor sends) takes effect on the next request and is in the capture; a bad
+    spec is refused and changes nothing."""
+    import httpx
+
+    capture = tmp_path / "mitm.jsonl"
+    web_port = free_port()
+    # mitmweb checks tornado's XSRF pair: a cookie and the same value in a header
+    xsrf = {"_mitmproxy_xsrf": "tracer-test"}
+    async with engine_running(ttft=0.0, itl=0.001) as engine:
+        async with (
+            mitmdump(engine.url, tmp_path, capture=capture, web=(web_port, "s3cret")) as url,
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{web_port}", cookies=xsrf) as web,
+            openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client,
+        ):
+            assert (await web.get("/?token=s3cret")).status_code == 200  # the auth cookie
+
+            async def set_faults(specs: list[str]) -> httpx.Response:
+                return await web.put(
+                    "/options",
+                    json={"tracer_faults": specs},
+                    headers={"X-XSRFToken": xsrf["_mitmproxy_xsrf"]},
+                )
+
+            await client.models.list()
+            assert (await set_faults(["status:503@path=/v1/models"])).status_code == 200
+            with pytest.raises(openai.InternalServerError):
+                await client.models.list()
+            refused = await set_faults(["hang-on-reuse:1"])
+            assert refused.status_code == 400 and "integer >= 2" in refused.text
+            with pytest.raises(openai.InternalServerError):  # still the plan before
+                await client.models.list()
+            assert (await set_faults([])).status_code == 200
+            await client.models.list()
+    records = list(read_records(capture))
+    plans = [(r["change"], r["faults"]) for r in records if r["type"] == "fault_plan"]
+    assert plans == [("replace", ["status:503@path=/v1/models"]), ("clear", [])]
+    assert [r["fault"] for r in records if r["type"] == "fault"] == ["status", "status"]
 
 
 def _models() -> bytes:
