@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.run --scenarios addon --rounds 5 --duration 5
 	$(BIN)/python -m bench.addon_hooks
 	$(BIN)/python -m bench.addon_instructions
+	$(BIN)/python -m bench.fault_layer
 
 clean:
 	rm -rf $(VENV) demo-out bench-out

@@ -331,6 +331,29 @@ def test_no_fault_matching_is_byte_for_byte() -> None:
     ]
 
 
+def test_unfaulted_chunked_bodies_are_followed_to_their_end() -> None:
+    """Responses no fault applies to skip their chunks without cutting them up: several
+    chunks to a read, extensions, a trailer, the next response in the same read, and
+    every other cut; a malformed chunk line still turns the connection blind, its bytes
+    unchanged."""
+    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    chunks = b"".join(_chunk(b"x" * n) for n in (1, 15, 16, 255, 4096))
+    body = chunks + b"5;ext=1\r\nhello\r\n0\r\nx-trailer: 1\r\n\r\n"
+    script = [("c", GET), ("c", GET), ("u", head + body + head + chunks + b"0\r\n\r\n")]
+    assert same_for_any_cut(["status:503@path=/nope"], script) == [
+        ("up", GET + GET),
+        ("down", head + body + head + chunks + b"0\r\n\r\n"),
+    ]
+    conn = ConnectionFaults(FaultPlan())
+    conn.client_data(GET + GET)
+    conn.upstream_data(head + body + head + chunks + b"0\r\n\r\n")
+    assert not conn.busy and not conn.blind  # both responses ended where they do
+    broken = head + _chunk(b"ok") + b"zz\r\nwhat\r\n"
+    conn = ConnectionFaults(FaultPlan())
+    conn.client_data(GET)
+    assert render(conn.upstream_data(broken)) == [("down", broken)] and conn.blind
+
+
 def test_hang_on_reuse_swallows_the_request_and_everything_after() -> None:
     script = [("c", POST), ("u", STREAM), ("c", POST), ("c", POST), ("u", b"stray"), ("eof", b"")]
     assert same_for_any_cut(["hang-on-reuse:2"], script) == [

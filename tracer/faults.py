@@ -699,6 +699,28 @@ class _Walker:
             segs.append(seg)
         return pos
 
+    def skip(self, data: bytes, pos: int) -> int:
+        """``walk`` for a body no fault applies to: only where it ends (``data``'s end if
+        not there). Whole chunks go by in a few byte operations each, without segments;
+        anything else (a chunk split across reads, the last chunk, a malformed line) is
+        left to ``walk``, which raises on what it cannot follow."""
+        if self.framing == "chunked":
+            n = len(data)
+            while pos < n and self.state == "size" and not self.line:
+                eol = data.find(b"\r\n", pos, pos + MAX_CHUNK_LINE)
+                if eol < 0:
+                    break
+                size_field = data[pos:eol].split(b";", 1)[0].strip(b" \t")
+                if not _HEX.fullmatch(size_field):
+                    break
+                end = eol + 2 + int(size_field, 16)
+                if end == eol + 2 or data[end : end + 2] != b"\r\n":
+                    break  # the last chunk, or one not whole in this read
+                pos = end + 2
+        if pos < len(data) and not self.done:
+            pos = self.walk(data, pos, [])
+        return pos
+
     def _data(self, raw: bytes, chunk_end: bool, segs: list[Seg]) -> None:
         if self.events is None:
             segs.append(Seg(raw, DATA, chunk_end=chunk_end))
@@ -1018,7 +1040,7 @@ class _Response:
         while pos < n and not self.done:
             walker = self.walker
             if walker is not None:
-                pos = walker.walk(data, pos, segs)
+                pos = walker.walk(data, pos, segs) if self.stages else walker.skip(data, pos)
                 self.done = walker.done
                 continue
             old = len(self.head)
