@@ -676,6 +676,29 @@ async def test_status_sdk(tmp_path: Path) -> None:
 # ---- faults combine -------------------------------------------------------------------
 
 
+async def test_faults_with_request_ids_injected(tmp_path: Path) -> None:
+    """``--fault`` with ``--inject-request-id``: the id goes in first, so the upstream, the
+    faults' rules and the capture all see the same request; the one the tap answers
+    itself is recorded with its id too."""
+    answer = status_response(parse_fault("status:503@pos=2"))
+    async with faulty_tap(tmp_path, "status:503@pos=2", inject_request_id=True) as (up, tap):
+        async with await connect(tap) as s:
+            assert await exchange(s, CHAT, STREAM) == STREAM
+            assert await exchange(s, CHAT, answer) == answer
+            assert await exchange(s, GET_MODELS, MODELS) == MODELS
+    sent = up.received(1)
+    assert [re.findall(rb"x-request-id: ([^\r]+)", raw) for raw in sent] == [
+        [b"tracer-t-1-1"],
+        [b"tracer-t-1-3"],
+    ]
+    assert [e.request_id for e in of(tap, ev.RequestHead)] == [
+        "tracer-t-1-1",
+        "tracer-t-1-2",
+        "tracer-t-1-3",
+    ]
+    assert [(f.seq, f.fault) for f in faults_of(tap)] == [(2, "status")]
+
+
 async def test_faults_combine(tmp_path: Path) -> None:
     no_done = SSE_HEAD + b"".join(_chunk(e) for e in events()[:-1]) + b"0\r\n\r\n"
     specs = ("drop-done", "stall-after-events:1:0.3@reuse", "delay-first-byte:0.3@pos=1")

@@ -374,8 +374,6 @@ def _proxy(args: argparse.Namespace) -> int:
         fault_control=args.fault_control,
         inject_request_id=args.inject_request_id,
     )
-    if args.inject_request_id and (args.fault or args.fault_control):
-        raise ValueError("--inject-request-id and --fault cannot be combined (yet)")
     if args.fault_control and admin is None:
         raise ValueError("--fault-control needs --admin HOST:PORT (its /faults changes them)")
     writer: CaptureWriter | None = None

@@ -764,9 +764,10 @@ class _FaultRelay(_Relay):
 
     QUEUE_LIMIT = 1 << 20
 
-    def __init__(self, tap: Tap, client: asyncio.Transport, plan: FaultPlan) -> None:
+    def __init__(self, tap: Tap, client: asyncio.Transport) -> None:
         super().__init__(tap, client)
-        self.faults = ConnectionFaults(plan)
+        assert tap.fault_plan is not None
+        self.faults = ConnectionFaults(tap.fault_plan)
         self._queue: deque[Deliver | Hold | Cut | Injected | ArmIdle | Callable[[], None]] = deque()
         self._queued = 0  # bytes waiting in the queue
         self._holding = False
@@ -966,6 +967,11 @@ class _FaultRelay(_Relay):
             super().upstream_write_resumed()
 
 
+class _InjectingFaultRelay(_InjectingRelay, _FaultRelay):
+    """Both: ``x-request-id`` added first, so the faults and the observer see the request
+    the upstream gets (and a request the tap answers itself is recorded with its id)."""
+
+
 class _ClientSide(asyncio.Protocol):
     """Callbacks of the accepted (downstream) socket."""
 
@@ -978,10 +984,11 @@ class _ClientSide(asyncio.Protocol):
         if self.tap.stopping:
             transport.abort()
             return
-        plan = self.tap.fault_plan
-        if plan is not None:
-            self.relay = _FaultRelay(self.tap, transport, plan)
-        elif self.tap.config.inject_request_id:
+        faults, inject = self.tap.fault_plan is not None, self.tap.config.inject_request_id
+        if faults:
+            relay = _InjectingFaultRelay if inject else _FaultRelay
+            self.relay = relay(self.tap, transport)
+        elif inject:
             self.relay = _InjectingRelay(self.tap, transport)
         else:
             self.relay = _Relay(self.tap, transport)
