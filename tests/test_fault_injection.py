@@ -841,6 +841,16 @@ async def test_faults_changed_while_the_tap_runs(tmp_path: Path) -> None:
     assert sorted(notes) == ["hang-on-reuse:4", "status:503@path=/v1/chat/*"]
     assert {f["kind"] for f in doc["findings"]} == {"injected_fault"}
     assert notes["status:503@path=/v1/chat/*"]["requests"] == ["t/1/2", "t/2/1"]
+    # the report: each change a line in the provenance and a dotted line in the picture
+    out = tmp_path / "control.md"
+    done = await anyio.run_process(
+        [sys.executable, "-m", "tracer", "report", str(capture), "-o", str(out)], check=False
+    )
+    assert done.returncode == 0, done.stderr
+    md = out.read_text()
+    assert "- faults changed at tap t" in md and "(clear): none from then on" in md
+    svg = (tmp_path / "control-timeline.svg").read_text()
+    assert all(f'id="faults-{n}"' in svg for n in (1, 2, 3)) and 'id="faults-4"' not in svg
 
 
 def test_fault_control_needs_the_admin_endpoint() -> None:

@@ -14,7 +14,9 @@ Layout, top to bottom, on one time axis (seconds from the captures' start):
   the capture when it never ended), coloured by termination; a bar with an HTTP error
   status or an SSE error event has a dark outline. Stalls are hatched over the bar;
   every finding has a labelled triangle on its request; a hang mark (``--hang-at`` or a
-  ``mark`` record) is a dashed vertical line across the whole picture.
+  ``mark`` record) is a dashed vertical line across the whole picture; a change of the
+  faults a tap injects (``fault_plan``) a dotted one, labelled with the plan from then on
+  where there is room (a change to no faults is the line alone).
 * **aggregated lanes**, when there are more connections than ``max_lanes`` (40): each
   lane is a group of consecutive connections of one tap (as many per group as it takes
   to stay within ``max_lanes`` lanes per tap set), drawn as a heat band of how many of
@@ -47,6 +49,7 @@ MAX_LANES = 40
 MAX_BARS = 4000  # above this many requests, lanes are heat bands (a bar each is too slow)
 LANE_COLOUR = "#e6ebf2"  # lane background; tests find lanes in the PNG by this colour
 HANG_COLOUR = "#b2182b"
+FAULT_PLAN_COLOUR = "#2166ac"  # the tap's faults changed (--fault-control)
 STALL_COLOUR = "#b2182b"
 ERROR_EDGE = "#222222"
 TERMINATION_COLOURS = {
@@ -145,6 +148,7 @@ class Timeline:
     hangs: list[float]
     engine: EngineSeries
     terminations: list[str]
+    fault_plans: list[tuple[float, str]] = field(default_factory=list)  # (x, what from then)
 
     @property
     def layout(self) -> Literal["lanes", "grouped"]:
@@ -161,6 +165,7 @@ class Timeline:
             "bars": len(self.drawn_bars()),
             "stalls": len(self.stalls),
             "hang_marks": len(self.hangs),
+            "fault_plan_changes": len(self.fault_plans),
             "finding_marks": len(self.findings),
             "engines": self.engine.engines,
             "routers": self.engine.routers,
@@ -259,6 +264,10 @@ def build(
         for f in result.get("findings") or []
     ]
     hangs = [m - origin for m in (result.get("evidence") or {}).get("marks") or []]
+    fault_plans = [
+        (p["t"] - origin, "faults: " + (", ".join(p["faults"]) or "none"))
+        for p in (result.get("evidence") or {}).get("fault_plans") or []
+    ]
     verdict = result.get("verdict") or {}
     title = f"verdict: {verdict.get('party', 'none')} — {verdict.get('kind', 'healthy')}"
     present = {b.termination for b in bars}
@@ -277,6 +286,7 @@ def build(
         hangs=hangs,
         engine=engine_series(engine_samples, origin),
         terminations=terminations,
+        fault_plans=fault_plans,
     )
 
 
@@ -378,6 +388,22 @@ def draw(tl: Timeline, svg: Path, png: Path) -> None:
                 fontweight="bold",
             )
             eng.axvline(at, color=HANG_COLOUR, linestyle="--", linewidth=1.4)
+        labelled = -math.inf
+        for n, (at, what) in enumerate(tl.fault_plans, 1):
+            ax.axvline(at, color=FAULT_PLAN_COLOUR, linestyle=":", linewidth=1.2, gid=f"faults-{n}")
+            if what == "faults: none" or at - labelled < tl.span * 0.02:
+                continue  # a line alone: the end of a fault, or no room for its text
+            labelled = at
+            ax.annotate(
+                what[:60],
+                (at, 0.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(2, 2),
+                textcoords="offset points",
+                color=FAULT_PLAN_COLOUR,
+                fontsize=7,
+                rotation=90,
+            )
         margin = tl.span * 0.01
         ax.set_xlim(-margin, tl.span + margin)
         _legend(fig, tl)
@@ -674,6 +700,10 @@ def _legend(fig: Any, tl: Timeline) -> None:
     )
     handles.append(Patch(facecolor="white", edgecolor=STALL_COLOUR, hatch="////", label="stall"))
     handles.append(Line2D([0], [0], color=HANG_COLOUR, linestyle="--", label="hang mark"))
+    if tl.fault_plans:
+        handles.append(
+            Line2D([0], [0], color=FAULT_PLAN_COLOUR, linestyle=":", label="faults changed")
+        )
     handles.append(Line2D([0], [0], color="#111111", marker="v", linestyle="none", label="finding"))
     fig.legend(
         handles=handles,
