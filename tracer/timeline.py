@@ -377,16 +377,7 @@ def draw(tl: Timeline, svg: Path, png: Path) -> None:
         _draw_engine(eng, tl)
         for n, at in enumerate(tl.hangs, 1):
             ax.axvline(at, color=HANG_COLOUR, linestyle="--", linewidth=1.4, gid=f"hang-{n}")
-            ax.annotate(
-                "hang",
-                (at, 1.0),
-                xycoords=("data", "axes fraction"),
-                xytext=(2, 2),
-                textcoords="offset points",
-                color=HANG_COLOUR,
-                fontsize=8,
-                fontweight="bold",
-            )
+            _line_label(ax, at, 1.0, "hang", HANG_COLOUR, fontsize=8, fontweight="bold")
             eng.axvline(at, color=HANG_COLOUR, linestyle="--", linewidth=1.4)
         labelled = -math.inf
         for n, (at, what) in enumerate(tl.fault_plans, 1):
@@ -394,16 +385,7 @@ def draw(tl: Timeline, svg: Path, png: Path) -> None:
             if what == "faults: none" or at - labelled < tl.span * 0.02:
                 continue  # a line alone: the end of a fault, or no room for its text
             labelled = at
-            ax.annotate(
-                what[:60],
-                (at, 0.0),
-                xycoords=("data", "axes fraction"),
-                xytext=(2, 2),
-                textcoords="offset points",
-                color=FAULT_PLAN_COLOUR,
-                fontsize=7,
-                rotation=90,
-            )
+            _line_label(ax, at, 0.0, what[:60], FAULT_PLAN_COLOUR, fontsize=7, rotation=90)
         margin = tl.span * 0.01
         ax.set_xlim(-margin, tl.span + margin)
         _legend(fig, tl)
@@ -683,6 +665,19 @@ def _draw_engine(ax: Any, tl: Timeline) -> None:
         f", … {len(e.engines) - 4} more" if len(e.engines) > 4 else ""
     )
     ax.set_title(f"engine ({len(e.engines)}: {engines})", loc="left", fontsize=8, color="#333333")
+
+
+def _line_label(ax: Any, at: float, y: float, text: str, colour: str, **style: Any) -> None:
+    """Text beside a vertical line at ``at``, ``y`` up the axes (0: bottom, 1: top)."""
+    ax.annotate(
+        text,
+        (at, y),
+        xycoords=("data", "axes fraction"),
+        xytext=(2, 2),
+        textcoords="offset points",
+        color=colour,
+        **style,
+    )
 
 
 def _legend(fig: Any, tl: Timeline) -> None:
