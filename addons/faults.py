@@ -151,7 +151,8 @@ class TracerFaults:
         seq = self._positions[cid] = self._positions.get(cid, 0) + 1
         if not self.plan.faults:
             return
-        decision = self.plan.decide(flow.request.method, flow.request.path, seq)
+        req = flow.request
+        decision = self.plan.decide(req.method, req.path, seq, req.headers.fields)
         if decision.empty:
             return
         st = self._flows[flow.id] = _Flow(seq, decision)

@@ -160,6 +160,20 @@ def test_faults_set_anew_while_mitmproxy_runs(tmp_path: Path) -> None:
     ]
 
 
+def test_a_header_rule_in_mitmproxy() -> None:
+    addon = faults.TracerFaults()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, tracer_faults=["status:429@header=x-test-fault"])
+        client = tflow.tclient_conn()
+        plain, marked = _flow(client), _flow(client)
+        marked.request.headers["X-Test-Fault"] = "1"
+        for flow in (plain, marked):
+            addon.requestheaders(flow)
+            addon.request(flow)
+        assert plain.response is None or plain.response.status_code == 200
+        assert marked.response is not None and marked.response.status_code == 429
+
+
 def test_half_open_holds_the_flow_before_its_body() -> None:
     addon = faults.TracerFaults()
     with taddons.context(addon) as tctx:

@@ -673,6 +673,18 @@ async def test_status_sdk(tmp_path: Path) -> None:
     assert len(upstream.requests) == 1
 
 
+async def test_a_header_marks_the_requests_to_fault(tmp_path: Path) -> None:
+    """``header=NAME[:GLOB]``: a test harness marks the very request it wants faulted."""
+    async with faulty_tap(tmp_path, "status:503@header=x-test-fault:on") as (upstream, tap):
+        async with sdk(tap) as client:
+            assert text_of(await chat(client)) == TEXT
+            with pytest.raises(openai.InternalServerError):
+                await chat(client, extra_headers={"X-Test-Fault": "on"})
+            assert text_of(await chat(client, extra_headers={"X-Test-Fault": "off"})) == TEXT
+    assert len(upstream.requests) == 2
+    assert [(f.seq, f.fault) for f in faults_of(tap)] == [(2, "status")]
+
+
 # ---- faults combine -------------------------------------------------------------------
 
 

@@ -100,6 +100,8 @@ def test_every_kind_has_a_parseable_example() -> None:
         ("prob=0.25", Rule(prob=0.25)),
         ("prob=0.1,seed=7", Rule(prob=0.1, seed=7)),
         ("times=2", Rule(times=2)),
+        ("header=X-Test-Fault", Rule(header=b"x-test-fault")),
+        ("header=x-request-id:s1-*", Rule(header=b"x-request-id", header_value="s1-*")),
         (
             "path=/v1/chat/*, method=POST ,reuse,every=2,prob=1,seed=3,times=5",
             Rule(path="/v1/chat/*", method="POST", reuse=True, every=2, prob=1.0, seed=3, times=5),
@@ -141,6 +143,8 @@ def test_every_rule_parses(rules: str, rule: Rule) -> None:
         ("status:503@reuse=1", "reuse must be an integer >= 2"),
         ("status:503@pos=2,reuse", "given twice (or pos with reuse)"),
         ("status:503@times=1,times=2", "'times' given twice"),
+        ("status:503@header=bad name", "header=NAME or header=NAME:GLOB"),
+        ("status:503@header=x-a:", "header=NAME or header=NAME:GLOB"),
     ],
 )
 def test_bad_specs_say_what_is_wrong(spec: str, message: str) -> None:
@@ -166,6 +170,14 @@ def test_rule_matching() -> None:
     later = Rule(pos=2, pos_and_later=True)
     assert [later.matches("GET", "/", p) for p in (1, 2, 3)] == [False, True, True]
     assert [Rule(reuse=True).matches("GET", "/", p) for p in (1, 2, 3)] == [False, True, True]
+    # header: present, or with a value the glob matches (names in any case)
+    marked = [(b"Host", b"h"), (b"X-Test-Fault", b" on ")]
+    assert Rule(header=b"x-test-fault").matches("GET", "/", 1, marked)
+    assert not Rule(header=b"x-test-fault").matches("GET", "/", 1, [(b"host", b"h")])
+    session = Rule(header=b"x-request-id", header_value="s1-*")
+    assert session.matches("GET", "/", 1, [(b"x-request-id", b"s1-4")])
+    assert not session.matches("GET", "/", 1, [(b"x-request-id", b"s2-4")])
+    assert Rule(header=b"x-test-fault", header_value="on").matches("GET", "/", 1, marked)
 
 
 def test_request_path() -> None:

@@ -177,6 +177,8 @@ KINDS: dict[str, Kind] = {
 RULE_KEYS: dict[str, str] = {
     "path": "path=PREFIX or path=GLOB (*, ?, [..]; * also matches /): the request path",
     "method": "method=POST: the request method",
+    "header": "header=NAME or header=NAME:GLOB: the request carries that header (with a "
+    "value the glob matches; no commas in it)",
     "pos": "pos=N or pos=N+: the N-th request on its connection (N+: N and later)",
     "reuse": "reuse: any keep-alive reuse (pos >= 2); reuse=N: the same as pos=N, N >= 2",
     "every": "every=N: every N-th request the other conditions match (N, 2N, ...)",
@@ -192,6 +194,8 @@ class Rule:
 
     path: str | None = None
     method: str | None = None
+    header: bytes | None = None  # its name, lower case
+    header_value: str | None = None  # a glob its value must match
     pos: int | None = None
     pos_and_later: bool = False
     reuse: bool = False
@@ -200,19 +204,34 @@ class Rule:
     seed: int = 0
     times: int | None = None
 
-    def matches(self, method: str, path: str, pos: int) -> bool:
-        """The static conditions (path, method, position); counters are the plan's."""
+    def matches(
+        self, method: str, path: str, pos: int, headers: Sequence[tuple[bytes, bytes]] = ()
+    ) -> bool:
+        """The static conditions (path, method, header, position); counters are the plan's.
+        ``headers``: the request's, names in any case."""
         if self.method is not None and method.upper() != self.method:
             return False
         if self.pos is not None and (pos < self.pos if self.pos_and_later else pos != self.pos):
             return False
         if self.reuse and pos < 2:
             return False
+        if self.header is not None and not self._has_header(headers):
+            return False
         if self.path is not None:
             if any(c in self.path for c in "*?["):
                 return fnmatch.fnmatchcase(path, self.path)
             return path.startswith(self.path)
         return True
+
+    def _has_header(self, headers: Sequence[tuple[bytes, bytes]]) -> bool:
+        glob = self.header_value
+        for name, value in headers:
+            if name.lower() != self.header:
+                continue
+            text = value.decode("latin-1").strip()
+            if glob is None or fnmatch.fnmatchcase(text, glob):
+                return True
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,6 +335,13 @@ def _parse_rule(spec: str, text: str) -> Rule:
             if not value.startswith(("/", "*")):
                 raise FaultSpecError(f"{spec!r}: path must start with / or * (got {value!r})")
             rule = replace(rule, path=value)
+        elif key == "header":
+            name, colon, glob = value.partition(":")
+            if not _TOKEN.fullmatch(name) or (colon and not glob):
+                raise FaultSpecError(
+                    f"{spec!r}: header=NAME or header=NAME:GLOB, NAME a header name (got {value!r})"
+                )
+            rule = replace(rule, header=name.lower().encode(), header_value=glob or None)
         elif key == "method":
             if not re.fullmatch(r"[A-Za-z]+", value):
                 raise FaultSpecError(f"{spec!r}: method must be a word like POST (got {value!r})")
@@ -343,6 +369,9 @@ def _parse_rule(spec: str, text: str) -> Rule:
     if "seed" in seen and "prob" not in seen:
         raise FaultSpecError(f"{spec!r}: seed is the seed of prob; give prob too")
     return rule
+
+
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # a header name (RFC 9110 token)
 
 
 def _int(spec: str, what: str, value: str, least: int) -> int:
@@ -415,7 +444,9 @@ class FaultPlan:
     def specs(self) -> list[str]:
         return [f.spec for f in self.faults]
 
-    def decide(self, method: str, target: str, pos: int) -> Decision:
+    def decide(
+        self, method: str, target: str, pos: int, headers: Sequence[tuple[bytes, bytes]] = ()
+    ) -> Decision:
         """Called once per request head, in arrival order: deterministic for a sequence."""
         path = request_path(target)
         request: Fault | None = None
@@ -423,7 +454,7 @@ class FaultPlan:
         idle: Fault | None = None
         for i, fault in enumerate(self.faults):
             rule = fault.rule
-            if not rule.matches(method, path, pos):
+            if not rule.matches(method, path, pos, headers):
                 continue
             self._matched[i] += 1
             if rule.every is not None and self._matched[i] % rule.every:
@@ -1200,7 +1231,7 @@ class ConnectionFaults:
             if self._body.done:
                 self._request_done(out)
             return
-        decision = self.plan.decide(method, target, seq)
+        decision = self.plan.decide(method, target, seq, headers)
         fault = decision.request
         self._swallow = fault is not None
         if fault is None:
