@@ -250,7 +250,10 @@ def test_hang_on_reuse_in_front_of_a_proxy_is_the_proxy() -> None:
 def test_hang_on_reuse_when_the_upstream_is_the_router_is_the_engine() -> None:
     cap = Cap(upstream=ROUTER)
     _hang_on_reuse(cap)
-    assert analyze(cap)["verdict"]["party"] == "engine"
+    v = analyze(cap)["verdict"]
+    assert v["party"] == "engine"
+    # not "a hop": the tap's upstream is the serving stack's own front
+    assert v["summary"].startswith("The serving stack behind tap front held the reused")
 
 
 def test_hang_without_engine_evidence_is_unknown_and_says_how_to_settle() -> None:

@@ -1081,7 +1081,10 @@ def analyze_request_hangs(ctx: Context) -> list[dict[str, Any]]:
             if serving:  # the tap's upstream is the serving stack: it lost the request
                 kind = "engine_lost_request"
             what = f"held the {_reused_words(r)}" if r.reused else "swallowed the request"
-            summary = f"The hop after tap {r.tap} {what}: the engine was idle the whole time" + (
+            # the tap's upstream is a hop in between, or the serving stack's own front
+            # (the router's or the engine's HTTP server): say which
+            who = "The serving stack behind tap" if serving else "The hop after tap"
+            summary = f"{who} {r.tap} {what}: the engine was idle the whole time" + (
                 " and fresh connections answered." if answered else "."
             )
             ruled = [
