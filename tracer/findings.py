@@ -1108,8 +1108,8 @@ def analyze_request_hangs(ctx: Context) -> list[dict[str, Any]]:
                     t=start,
                     settle=None
                     if answered
-                    else "probes on fresh connections "
-                    "(--probe-on-stall) would show whether the hop answers at all",
+                    else "probes on fresh connections (--probe-on-stall) would show whether "
+                    f"{'it' if serving else 'the hop'} answers at all",
                 )
             )
             continue
