@@ -826,6 +826,10 @@ async def test_faults_changed_while_the_tap_runs(tmp_path: Path) -> None:
                 await nothing_for(s, 0.1)  # decided before the change: stays held
                 async with await anyio.connect_tcp("127.0.0.1", proc.port) as fresh:
                     assert await exchange(fresh, CHAT, STREAM) == STREAM
+                metrics = (await admin.get(f"http://127.0.0.1:{admin_port}/metrics")).text
+                assert 'tracer_faults_injected_total{fault="status",tap="t"} 2.0' in metrics
+                assert 'tracer_faults_injected_total{fault="hang-on-reuse",tap="t"} 1.0' in metrics
+                assert 'tracer_faults_planned{tap="t"} 0.0' in metrics
                 status = (await admin.get(f"http://127.0.0.1:{admin_port}/status")).json()
                 assert status["faults"]["faults"] == [] and status["faults"]["control"]
                 assert [e["kind"] for e in status["recent"]].count("fault_plan") == 3

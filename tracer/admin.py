@@ -105,6 +105,18 @@ class _TapCollector:
         yield counter(
             "tracer_protocol_anomalies", "Bytes the observer could not parse.", stats.anomalies
         )
+        if tap.fault_plan is not None:  # a tap that alters traffic on purpose says how much
+            injected = CounterMetricFamily(
+                "tracer_faults_injected",
+                "Faults the tap injected itself (--fault), by fault.",
+                labels=["tap", "fault"],
+            )
+            for fault, count in sorted(stats.faults.items()):
+                injected.add_metric([tap.config.name, fault], count)
+            yield injected
+            yield gauge(
+                "tracer_faults_planned", "Faults in the tap's plan now.", len(tap.fault_plan.faults)
+            )
         bytes_family = CounterMetricFamily(
             "tracer_bytes", "Bytes relayed (closed connections).", labels=["tap", "from"]
         )
