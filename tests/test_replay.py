@@ -227,7 +227,15 @@ async def test_a_fault_the_capturing_tap_injected_is_named_when_the_replay_diffe
             faults=[parse_fault("hang-on-reuse:2")],
         )
         assert [r.outcome for r in report.rounds] == ["complete", "hung"]
-        code, doc, err = await replay(str(original), "--target", engine.url, "--stall-timeout", "1")
+        code, doc, err = await replay(
+            str(original),
+            "--target",
+            engine.url,
+            "--stall-timeout",
+            "1",
+            "--capture",
+            str(tmp_path / "replay.jsonl"),
+        )
     assert code == 0, err
     assert doc is not None and doc["verdict"]["diverged_at"] == "1:2"
     assert (
