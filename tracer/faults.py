@@ -61,7 +61,15 @@ from http import HTTPStatus
 from typing import Literal
 from urllib.parse import urlsplit
 
-from .framing import MAX_CHUNK_LINE, MAX_TRAILERS, BodyDecoder, Framing, FramingError, body_framing
+from .framing import (
+    MAX_CHUNK_LINE,
+    MAX_TRAILERS,
+    BodyDecoder,
+    Framing,
+    FramingError,
+    body_framing,
+    chunk_size,
+)
 from .sse import MAX_EVENT, classify
 
 MAX_HEAD = 64 * 1024
@@ -600,7 +608,6 @@ Item = Seg | Hold | Cut | Injected
 
 
 _BLANK = re.compile(rb"(?>\r\n|\n|\r)(?>\r\n|\n|\r)")  # an empty line ends an SSE event
-_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _HEAD_END = re.compile(rb"\n\r?\n")
 _METHOD = re.compile(rb"(?:\r?\n)*([!#$%&'*+.^_`|~0-9A-Za-z-]*)")
 
@@ -715,10 +722,9 @@ class _Walker:
             if not line.endswith(b"\r\n"):
                 raise _Broken("chunk line without CRLF")
             if state == "size":
-                size_field = line[:-2].split(b";", 1)[0].strip(b" \t")
-                if not _HEX.fullmatch(size_field):
+                size = chunk_size(line[:-2])
+                if size is None:
                     raise _Broken(f"illegal chunk header: {line[:40]!r}")
-                size = int(size_field, 16)
                 if size:
                     self.state, self.remaining = "data", size
                 else:
@@ -741,12 +747,10 @@ class _Walker:
                 eol = data.find(b"\r\n", pos, pos + MAX_CHUNK_LINE)
                 if eol < 0:
                     break
-                size_field = data[pos:eol].split(b";", 1)[0].strip(b" \t")
-                if not _HEX.fullmatch(size_field):
-                    break
-                end = eol + 2 + int(size_field, 16)
-                if end == eol + 2 or data[end : end + 2] != b"\r\n":
-                    break  # the last chunk, or one not whole in this read
+                size = chunk_size(data[pos:eol])
+                end = eol + 2 + (size or 0)
+                if not size or data[end : end + 2] != b"\r\n":
+                    break  # malformed, the last chunk, or a chunk not whole in this read
                 pos = end + 2
         if pos < len(data) and not self.done:
             pos = self.walk(data, pos, [])

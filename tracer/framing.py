@@ -25,6 +25,13 @@ MAX_TRAILERS = 64 * 1024
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 
 
+def chunk_size(line: bytes) -> int | None:
+    """The size a chunk-size line (without its CRLF) gives, extensions ignored; None when
+    it is not one."""
+    size_field = line.split(b";", 1)[0].strip(b" \t")
+    return int(size_field, 16) if _HEX.fullmatch(size_field) else None
+
+
 class FramingError(Exception):
     """The body's framing is not valid HTTP/1.1.
 
@@ -161,10 +168,9 @@ class BodyDecoder:
             line_at = pos - carried
             pos = nl + 2
             if state == "size":
-                size_field = line.split(b";", 1)[0].strip(b" \t")
-                if len(line) > MAX_CHUNK_LINE or not _HEX.fullmatch(size_field):
+                size = chunk_size(line)
+                if len(line) > MAX_CHUNK_LINE or size is None:
                     raise FramingError(f"illegal chunk header: {line[:40]!r}", line_at)
-                size = int(size_field, 16)
                 if size:
                     self._count += 1  # data chunks only: the last chunk is not counted
                     self._remaining = size

@@ -984,14 +984,12 @@ class _ClientSide(asyncio.Protocol):
         if self.tap.stopping:
             transport.abort()
             return
-        faults, inject = self.tap.fault_plan is not None, self.tap.config.inject_request_id
-        if faults:
-            relay = _InjectingFaultRelay if inject else _FaultRelay
-            self.relay = relay(self.tap, transport)
-        elif inject:
-            self.relay = _InjectingRelay(self.tap, transport)
+        inject = self.tap.config.inject_request_id
+        if self.tap.fault_plan is not None:
+            kind: type[_Relay] = _InjectingFaultRelay if inject else _FaultRelay
         else:
-            self.relay = _Relay(self.tap, transport)
+            kind = _InjectingRelay if inject else _Relay
+        self.relay = kind(self.tap, transport)
 
     def data_received(self, data: bytes) -> None:
         if self.relay is not None:

@@ -148,7 +148,7 @@ class Timeline:
     hangs: list[float]
     engine: EngineSeries
     terminations: list[str]
-    fault_plans: list[tuple[float, str]] = field(default_factory=list)  # (x, what from then)
+    fault_plans: list[tuple[float, list[str]]] = field(default_factory=list)  # (x, the plan)
 
     @property
     def layout(self) -> Literal["lanes", "grouped"]:
@@ -265,7 +265,7 @@ def build(
     ]
     hangs = [m - origin for m in (result.get("evidence") or {}).get("marks") or []]
     fault_plans = [
-        (p["t"] - origin, "faults: " + (", ".join(p["faults"]) or "none"))
+        (p["t"] - origin, p["faults"])
         for p in (result.get("evidence") or {}).get("fault_plans") or []
     ]
     verdict = result.get("verdict") or {}
@@ -380,12 +380,13 @@ def draw(tl: Timeline, svg: Path, png: Path) -> None:
             _line_label(ax, at, 1.0, "hang", HANG_COLOUR, fontsize=8, fontweight="bold")
             eng.axvline(at, color=HANG_COLOUR, linestyle="--", linewidth=1.4)
         labelled = -math.inf
-        for n, (at, what) in enumerate(tl.fault_plans, 1):
+        for n, (at, plan) in enumerate(tl.fault_plans, 1):
             ax.axvline(at, color=FAULT_PLAN_COLOUR, linestyle=":", linewidth=1.2, gid=f"faults-{n}")
-            if what == "faults: none" or at - labelled < tl.span * 0.02:
+            if not plan or at - labelled < tl.span * 0.02:
                 continue  # a line alone: the end of a fault, or no room for its text
             labelled = at
-            _line_label(ax, at, 0.0, what[:60], FAULT_PLAN_COLOUR, fontsize=7, rotation=90)
+            text = "faults: " + ", ".join(plan)
+            _line_label(ax, at, 0.0, text[:60], FAULT_PLAN_COLOUR, fontsize=7, rotation=90)
         margin = tl.span * 0.01
         ax.set_xlim(-margin, tl.span + margin)
         _legend(fig, tl)
