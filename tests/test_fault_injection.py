@@ -610,6 +610,35 @@ async def test_close_idle_after_sdk(tmp_path: Path) -> None:
     assert upstream.connections == 2
 
 
+async def test_close_idle_after_behind_a_recording_tap(tmp_path: Path) -> None:
+    """A recording tap in front of the faulting one: the request its client writes after
+    the close never reaches the faulting tap. The analysis of both captures puts it down
+    to the injected fault (the taps' connection is one TCP connection, linked by
+    address), not to a hop that held it."""
+    async with faulty_tap(tmp_path, "close-idle-after:0.3", name="back") as (upstream, back):
+        async with running_tap(back.port, tmp_path, name="front") as front:
+            async with await connect(front) as s:
+                assert await exchange(s, CHAT, STREAM) == STREAM
+                rest, how = await recv_all(s)  # the close, passed on
+                assert rest == b"" and how == "fin"
+                await s.send(CHAT)  # written anyway: nothing comes back
+                assert (await recv_all(s))[0] == b""
+            await front.wait_for(ev.ResponseEnd, seq=2)
+            await front.wait_for(ev.ConnClose)
+    assert upstream.received() == [CHAT]
+    captures = [str(front.capture), str(back.capture)]
+    result = await anyio.run_process(
+        [sys.executable, "-m", "tracer", "analyze", *captures, "--format", "json"]
+    )
+    doc = json.loads(result.stdout)
+    assert doc["verdict"]["kind"] == "healthy"
+    (note,) = doc["findings"]
+    assert note["kind"] == "injected_fault" and note["requests"] == ["back/1/1", "front/1/2"]
+    assert "would read as: client_reused_closed_connection" in note["summary"]
+    written = "front/1/2 POST /v1/chat/completions: written at tap front after tap back"
+    assert written in note["evidence"][1]
+
+
 # ---- half-open ------------------------------------------------------------------------
 
 

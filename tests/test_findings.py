@@ -922,3 +922,86 @@ def test_a_fault_injected_behind_another_tap_is_a_note_at_both() -> None:
     assert result["verdict"]["kind"] == "healthy"
     assert kinds(result) == [("none", "injected_fault")]
     assert result["findings"][0]["requests"] == ["back/1/3"]
+
+
+def _closed_under(fault: bool) -> tuple[Cap, Cap]:
+    """Tap front's connection 1 is tap back's connection 1 (front's upstream left from the
+    address back saw as its peer). After one exchange, back closes it (idle, by an injected
+    ``close-idle-after``, or its upstream did and it passed the FIN on); front passes the
+    close on and the client writes its next request anyway: front records it as sent after
+    the upstream had closed, and back never sees it."""
+    front = Cap("front", upstream="http://127.0.0.1:7001", boot_id="b")
+    back = Cap("back", upstream=ROUTER, boot_id="b")
+    front._e(ev.ConnOpen, 0.0, conn=1, peer="127.0.0.1:50000", local="127.0.0.1:7000")
+    front._e(ev.ConnOpen, 0.0, conn=2, peer="127.0.0.1:50002", local="127.0.0.1:7000")
+    front._e(
+        ev.UpstreamConnect, 0.0005, conn=1, phase="done", addr="127.0.0.1:7001",
+        local="127.0.0.1:40001", elapsed=0.0004,
+    )  # fmt: skip
+    front._e(
+        ev.UpstreamConnect, 0.0005, conn=2, phase="done", addr="127.0.0.1:7001",
+        local="127.0.0.1:40002", elapsed=0.0004,
+    )  # fmt: skip
+    back._e(ev.ConnOpen, 0.0004, conn=1, peer="127.0.0.1:40002", local="127.0.0.1:7001")
+    back._e(ev.ConnOpen, 0.0006, conn=2, peer="[::ffff:127.0.0.1]:40001", local="127.0.0.1:7001")
+    front._opened |= {1, 2}
+    back._opened |= {1, 2}
+    front.exchange(1, 1, 0.001, rid="r1")
+    back.exchange(2, 1, 0.0012, rid="r1")
+    if fault:
+        _injected(back, 0.5, 2, 1, "close-idle-after:0.4", "connection closed after 0.4s idle")
+    back._e(
+        ev.ConnClose, 0.5, conn=2, closed_by="tracer" if fault else "upstream",
+        how="tracer" if fault else "fin", in_flight=False, requests=1,
+        bytes_from_client=100, bytes_from_upstream=500, upstream_opened=True, duration=0.5,
+    )  # fmt: skip
+    front._e(
+        ev.RequestHead, 0.5005, conn=1, seq=2, idle_before=0.4, method="POST",
+        target="/v1/chat/completions", version="1.1", headers=[], request_id="r2",
+    )  # fmt: skip
+    front._e(ev.RequestEnd, 0.5005, conn=1, seq=2, complete=True, body_bytes=10)
+    front._e(
+        ev.ResponseEnd, 0.5006, conn=1, seq=2, termination="truncated", body_bytes=0,
+        duration=0.0001, close="fin", detail="upstream already closed",
+    )  # fmt: skip
+    return front, back
+
+
+def test_a_request_written_after_the_upstream_closed_is_not_a_hop_that_held_it() -> None:
+    """The request never reached the next tap because the connection had already closed
+    under it, not because a hop held it: the front tap's own reading stands."""
+    result = analyze(*_closed_under(fault=False))
+    assert result["verdict"]["kind"] == "client_reused_closed_connection"
+    assert ("proxy", "proxy_hung_on_reuse") not in kinds(result)
+
+
+def test_a_close_injected_behind_another_tap_covers_the_request_written_after_it() -> None:
+    """The tap behind closed the connection by an injected fault: the request the front
+    tap's client wrote on it afterwards (never seen behind) is the fault's doing, found
+    through the connection the two taps share, and the note says so."""
+    result = analyze(*_closed_under(fault=True))
+    assert result["verdict"]["kind"] == "healthy"
+    (note,) = result["findings"]
+    assert note["kind"] == "injected_fault"
+    assert note["requests"] == ["back/2/1", "front/1/2"]
+    assert "would read as: client_reused_closed_connection" in note["summary"]
+    assert (
+        "front/1/2 POST /v1/chat/completions: written at tap front after tap back had "
+        "closed the connection (front/1 is back/2, one TCP connection)"
+    ) in note["evidence"][1]
+
+
+def test_connections_are_linked_only_while_both_are_open() -> None:
+    """The same address at the tap behind, long after the front connection closed (an
+    ephemeral port used again), is another connection: nothing is linked to it."""
+    front, back = _closed_under(fault=True)
+    for e in back.events:  # back's connection opens two minutes later
+        if isinstance(e, ev.ConnOpen) and e.conn == 2:
+            e.t += 120
+    front._e(
+        ev.ConnClose, 1.0, conn=1, closed_by="upstream", how="fin", in_flight=False,
+        requests=2, bytes_from_client=200, bytes_from_upstream=500, upstream_opened=True,
+        duration=1.0,
+    )  # fmt: skip
+    notes = [f for f in analyze(front, back)["findings"] if f["kind"] == "injected_fault"]
+    assert notes and notes[0]["requests"] == ["back/2/1"]

@@ -64,6 +64,9 @@ FIRST_EVENT_HELD = (0.030, 0.220)
 FIRST_EVENT_PROMPT = 0.010
 IDLE_REUSE_RACE = 1.0  # seconds idle before a request for a stale-connection race
 UPSTREAM_GONE = "upstream already closed"  # the observer's detail for such a request
+# injected faults that close a connection between requests: what they do shows on the
+# next request, at the tap in front, which never reaches the faulting tap
+CLOSING_FAULTS = frozenset({"close-idle-after"})
 SPILL_ITEMS = 16384  # join records (a few small fields each) in memory before a run spills
 
 
@@ -307,6 +310,12 @@ def _shared_clock(taps: list[dict[str, Any]]) -> bool:
     if len(boots) != 1 or None in boots or len(offsets) != len(taps):
         return False
     return max(offsets) - min(offsets) <= 0.001
+
+
+def _addr_key(addr: str) -> str:
+    """An address as both ends write it: an IPv4 peer of a dual-stack socket is
+    ``[::ffff:10.0.0.1]:port`` on one side and ``10.0.0.1:port`` on the other."""
+    return addr.replace("[::ffff:", "").replace("]:", ":") if "::ffff:" in addr else addr
 
 
 def _print_keys(
@@ -800,6 +809,44 @@ class Context:
             }
         return (r.tap, r.conn) in self._serving_conns
 
+    def conns_in_front(self, backs: set[tuple[str, int]]) -> dict[str, ConnectionRow]:
+        """For these connections, the same TCP connection at a tap in front, by the back
+        connection's id: that tap's upstream connection left from the address the back
+        tap saw as its peer, while both were open. Requests are joined by their content;
+        this joins connections, for what happens to one between its requests (a request
+        that never crossed because the tap behind had closed the connection). Two passes
+        over the connection rows, keeping only those asked about."""
+        if not backs:
+            return {}
+        by_peer: dict[str, list[ConnectionRow]] = defaultdict(list)
+        for c in self.e.connections:
+            if (c.tap, c.conn) in backs:
+                by_peer[_addr_key(c.peer)].append(c)
+        nearest: dict[str, tuple[float, ConnectionRow]] = {}
+        for front in self.e.connections:
+            if not front.upstream_local:
+                continue
+            for back in by_peer.get(_addr_key(front.upstream_local), []):
+                apart = abs(back.opened - front.opened)
+                if self._same_connection(front, back) and (
+                    back.id not in nearest or apart < nearest[back.id][0]
+                ):
+                    nearest[back.id] = (apart, front)
+        return {back: front for back, (_, front) in nearest.items()}
+
+    def _same_connection(self, front: ConnectionRow, back: ConnectionRow) -> bool:
+        """The back connection opened while the front one was open (within the slack
+        between clocks), at another tap behind it (the next one, where the order says)."""
+        if front.tap == back.tap:
+            return False
+        nexts = self.next_taps(front.tap)
+        if nexts and back.tap not in nexts:
+            return False
+        slack = SHARED_CLOCK_SLACK if self.one_clock(front.tap, back.tap) else JOIN_SLACK
+        return front.opened - slack <= back.opened and (
+            front.closed is None or back.opened <= front.closed + slack
+        )
+
     def _engine_between(self, lo: float, hi: float) -> Iterable[dict[str, Any]]:
         if isinstance(self.e.engine, ChunkLog):
             return self.e.engine.window(lo, hi)
@@ -984,6 +1031,28 @@ def _injected(ctx: Context, r: RequestRow) -> list[str]:
     if not r.injected:
         return []
     return [f"the tap injected this fault itself: {', '.join(r.injected)} (opt-in --fault)"]
+
+
+def _stale_race(r: RequestRow, end: float | None) -> bool:
+    """A request on a connection idle long enough for a keep-alive timeout, ended at once
+    with nothing: the upstream closed the connection as it was written."""
+    return (
+        r.termination == "truncated"
+        and r.response_bytes == 0
+        and r.status is None
+        and r.reused
+        and r.idle_before >= IDLE_REUSE_RACE
+        and _hang_window(r, end) is not None
+        and r.end is not None
+        and (r.end - r.start) < 1.0
+    )
+
+
+def _written_on_closed(r: RequestRow, end: float | None) -> bool:
+    """The request was written on a connection its upstream had closed, or said it would
+    close, or closed as it came (the race): the connection's end came before it, from
+    behind the tap, and no hop held it."""
+    return r.after_close or r.detail == UPSTREAM_GONE or _stale_race(r, end)
 
 
 def _began_before(r: RequestRow, start: float) -> bool:
@@ -1313,18 +1382,7 @@ def analyze_upstream_endings(ctx: Context) -> list[dict[str, Any]]:
                     t=r.end,
                 )
             )
-        if (
-            r.termination == "truncated"
-            and r.response_bytes == 0
-            and r.status is None
-            and (
-                r.reused
-                and r.idle_before >= IDLE_REUSE_RACE
-                and _hang_window(r, ctx.e.end) is not None
-            )
-            and r.end is not None
-            and (r.end - r.start) < 1.0
-        ):
+        if _stale_race(r, ctx.e.end):
             out.append(
                 _finding(
                     "stale_connection_race",
@@ -1724,6 +1782,8 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
             # at a hop (none of the taps one hop behind the last that saw it got it), not
             # at a tap that saw it
             stopped = bool(behind) and not any(t in seen for t in behind)
+            if stopped and _written_on_closed(seen[last], ctx.e.end):
+                continue  # its own tap tells it (the connection's close came first)
             after = " or tap ".join(behind)
             never = _never_seen(behind, ctx.counts)
             if stopped and _error_status(seen[last]):
@@ -2058,6 +2118,10 @@ def _injected_by_the_tap(ctx: Context, findings: list[dict[str, Any]]) -> list[d
         if keys:
             for r in seen.values():
                 faults_of[r.id] |= keys
+    later = _written_after_close(ctx, records)
+    for key, found in later.items():
+        for r, _ in found:
+            faults_of[r.id].add(key)
     kept: list[dict[str, Any]] = []
     read_as: dict[tuple[str, str], set[str]] = defaultdict(set)
     for f in findings:
@@ -2068,7 +2132,41 @@ def _injected_by_the_tap(ctx: Context, findings: list[dict[str, Any]]) -> list[d
         else:
             kept.append(f)
     rows = {r.id: r for r in ctx.interesting if r.injected}
-    return kept + [_injected_note(k, records[k], rows, read_as[k]) for k in sorted(records)]
+    return kept + [
+        _injected_note(k, records[k], rows, read_as[k], later.get(k, [])) for k in sorted(records)
+    ]
+
+
+def _written_after_close(
+    ctx: Context, records: dict[tuple[str, str], list[dict[str, Any]]]
+) -> dict[tuple[str, str], list[tuple[RequestRow, str]]]:
+    """Requests that a tap in front wrote on a connection after the tap behind it had
+    closed that connection by an injected fault (``close-idle-after``): they never reached
+    the faulting tap, which has no record of them, so they are found through the
+    connection (``Context.conns_in_front``). By fault, each with its connection there."""
+    closes = {
+        (str(rec.get("tap")), rec["conn"]): (key, float(rec["t"]))
+        for key, recs in records.items()
+        for rec in recs
+        if rec.get("fault") in CLOSING_FAULTS and isinstance(rec.get("conn"), int)
+    }
+    if not closes:
+        return {}
+    backs = {f"{tap}/{conn}": (tap, conn) for tap, conn in closes}
+    fronts: dict[tuple[str, int], tuple[tuple[str, str], float, str]] = {}
+    for back, front in ctx.conns_in_front(set(closes)).items():
+        key, t = closes[backs[back]]
+        fronts[(front.tap, front.conn)] = (key, t, back)
+    found: dict[tuple[str, str], list[tuple[RequestRow, str]]] = defaultdict(list)
+    for r in ctx.interesting:
+        hit = fronts.get((r.tap, r.conn))
+        if hit is None or not r.method:
+            continue
+        (tap, _), t, back = hit
+        slack = SHARED_CLOCK_SLACK if ctx.one_clock(r.tap, tap) else JOIN_SLACK
+        if r.start >= t - slack:
+            found[hit[0]].append((r, back))
+    return found
 
 
 def _injected_note(
@@ -2076,11 +2174,16 @@ def _injected_note(
     records: list[dict[str, Any]],
     rows: dict[str, RequestRow],
     read_as: set[str],
+    later: list[tuple[RequestRow, str]],
 ) -> dict[str, Any]:
     tap, spec = key
     ids = sorted(
-        {f"{tap}/{r['conn']}/{r['seq']}" for r in records if isinstance(r.get("seq"), int)},
-        key=lambda rid: tuple(int(x) if x.isdigit() else 0 for x in rid.split("/")[-2:]),
+        {f"{tap}/{r['conn']}/{r['seq']}" for r in records if isinstance(r.get("seq"), int)}
+        | {r.id for r, _ in later},
+        key=lambda rid: (
+            rid.split("/")[0],
+            *(int(x) if x.isdigit() else 0 for x in rid.split("/")[-2:]),
+        ),
     )
     evidence = []
     for rec in records[:MAX_QUOTED]:
@@ -2094,6 +2197,14 @@ def _injected_note(
         evidence.append(line)
     if len(records) > MAX_QUOTED:
         evidence.append(f"... and {len(records) - MAX_QUOTED} more injection(s)")
+    for r, conn in later[:MAX_QUOTED]:
+        evidence.append(
+            f"{_ts(r.start)} {r.id} {r.method} {r.target}: written at tap {r.tap} after "
+            f"tap {tap} had closed the connection ({r.tap}/{r.conn} is {conn}, one TCP "
+            f"connection); the client got {_outcome_quote(r)}"
+        )
+    if len(later) > MAX_QUOTED:
+        evidence.append(f"... and {len(later) - MAX_QUOTED} more such request(s)")
     summary = (
         f"Tap {tap} injected `{spec}` itself (opt-in --fault), {len(records)} time(s)"
         + (f", on {len(ids)} request(s)" if ids else "")
