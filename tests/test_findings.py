@@ -1005,3 +1005,60 @@ def test_connections_are_linked_only_while_both_are_open() -> None:
     )  # fmt: skip
     notes = [f for f in analyze(front, back)["findings"] if f["kind"] == "injected_fault"]
     assert notes and notes[0]["requests"] == ["back/2/1"]
+
+
+def _written_after_fin(detail: str) -> dict[str, Any]:
+    """One tap: a request answered, then, after 2 s idle, one sent on the connection whose
+    upstream had closed (the tap had passed the FIN on); the observer's detail says when."""
+    cap = Cap(upstream=ROUTER)
+    cap.exchange(1, 1, 0.0)
+    cap._e(
+        ev.RequestHead, 2.2, conn=1, seq=2, idle_before=2.0, method="POST",
+        target="/v1/chat/completions", version="1.1", headers=[],
+    )  # fmt: skip
+    cap._e(ev.RequestEnd, 2.2, conn=1, seq=2, complete=True, body_bytes=10)
+    cap._e(
+        ev.ResponseEnd, 2.2, conn=1, seq=2, termination="truncated", body_bytes=0,
+        duration=0.0, close="fin", detail=detail,
+    )  # fmt: skip
+    (f,) = analyze(cap)["findings"]
+    assert (f["party"], f["kind"]) == ("client", "client_reused_closed_connection")
+    return f
+
+
+@pytest.mark.parametrize(
+    ("detail", "confidence", "words"),
+    [
+        (
+            "upstream already closed 1.500000 s before",
+            "high",
+            "the upstream had closed 1.500 s before (its FIN had been passed on to the client), "
+            "after 2.000 s idle: the client's pool kept it longer",
+        ),
+        (
+            "upstream already closed 0.000400 s before",
+            "medium",
+            "0.4 ms after the tap passed on the upstream's close, after 2.000 s idle: too soon "
+            "to tell a client that ignored the close from the keep-alive race",
+        ),
+        (  # a capture from before the observer said when
+            "upstream already closed",
+            "high",
+            "the upstream had already closed (its FIN had been passed on to the client).",
+        ),
+    ],
+)
+def test_a_request_after_the_upstreams_close_says_how_long_after(
+    detail: str, confidence: str, words: str
+) -> None:
+    """Long after the FIN the client ignored the close; within a few ms it may have been
+    the keep-alive race, which the tap cannot tell apart: said, at medium confidence."""
+    f = _written_after_fin(detail)
+    assert f["confidence"] == confidence
+    assert words in f["summary"]
+    said = [e for e in f["evidence"] if "passed on to the client" in e]
+    assert said == (
+        []
+        if detail.endswith("closed")
+        else [f"the upstream's close had been passed on to the client {detail.split()[3]} s before"]
+    )

@@ -63,7 +63,12 @@ TIME_JOINED_PRINTS = 10_000
 FIRST_EVENT_HELD = (0.030, 0.220)
 FIRST_EVENT_PROMPT = 0.010
 IDLE_REUSE_RACE = 1.0  # seconds idle before a request for a stale-connection race
-UPSTREAM_GONE = "upstream already closed"  # the observer's detail for such a request
+# the observer's detail for a request sent after the upstream's FIN or reset had been
+# passed on, then "S s before" (captures before it: the words alone)
+UPSTREAM_GONE = "upstream already closed"
+# a request that came this soon after the FIN was passed on may have been on its way
+# before the client could see it (the keep-alive race): not told from one that ignored it
+RACE_WINDOW = 0.010
 # injected faults that close a connection between requests: what they do shows on the
 # next request, at the tap in front, which never reaches the faulting tap
 CLOSING_FAULTS = frozenset({"close-idle-after"})
@@ -1014,7 +1019,7 @@ def _outcome_quote(r: RequestRow) -> str:
 
 def _hang_window(r: RequestRow, end: float | None) -> tuple[float, float] | None:
     """When the request sat with no bytes arriving from upstream, if it did."""
-    if r.detail == UPSTREAM_GONE:
+    if _gone_before(r) is not None:
         return None  # sent after the upstream closed: the client's reuse, not a hang
     stall = _upstream_silence(r)
     if stall is not None:
@@ -1031,6 +1036,18 @@ def _injected(ctx: Context, r: RequestRow) -> list[str]:
     if not r.injected:
         return []
     return [f"the tap injected this fault itself: {', '.join(r.injected)} (opt-in --fault)"]
+
+
+def _gone_before(r: RequestRow) -> float | None:
+    """For a request sent after its tap had passed the upstream's close on to the client:
+    how long before (``math.inf`` when the capture does not say); None for any other."""
+    detail = r.detail
+    if detail is None or not detail.startswith(UPSTREAM_GONE):
+        return None
+    try:
+        return float(detail[len(UPSTREAM_GONE) :].split()[0])
+    except (IndexError, ValueError):
+        return math.inf
 
 
 def _stale_race(r: RequestRow, end: float | None) -> bool:
@@ -1052,7 +1069,7 @@ def _written_on_closed(r: RequestRow, end: float | None) -> bool:
     """The request was written on a connection its upstream had closed, or said it would
     close, or closed as it came (the race): the connection's end came before it, from
     behind the tap, and no hop held it."""
-    return r.after_close or r.detail == UPSTREAM_GONE or _stale_race(r, end)
+    return r.after_close or _gone_before(r) is not None or _stale_race(r, end)
 
 
 def _began_before(r: RequestRow, start: float) -> bool:
@@ -1265,16 +1282,13 @@ def analyze_client(ctx: Context) -> list[dict[str, Any]]:
                     t=r.end,
                 )
             )
-        if r.after_close or r.detail == UPSTREAM_GONE:
+        if r.after_close:
             out.append(
                 _finding(
                     "client_reused_closed_connection",
                     "client",
                     "The client sent a request on a connection the server had said it would "
-                    "close (Connection: close)."
-                    if r.after_close
-                    else "The client sent a request on a connection the upstream had already "
-                    "closed (its FIN had been passed on to the client).",
+                    "close (Connection: close).",
                     [r],
                     [_req_quote(r), _outcome_quote(r)],
                     [],
@@ -1282,7 +1296,52 @@ def analyze_client(ctx: Context) -> list[dict[str, Any]]:
                     t=r.start,
                 )
             )
+        elif (gone := _gone_before(r)) is not None:
+            out.append(_reused_after_fin(r, gone))
     return out
+
+
+def _reused_after_fin(r: RequestRow, gone: float) -> dict[str, Any]:
+    """A request the client wrote after the upstream had closed the connection (the tap
+    passed the FIN on): the client's pool keeps idle connections longer than the upstream
+    does. Written well after the FIN, the client missed the close; within
+    ``RACE_WINDOW`` of it, it may have been on its way before the FIN could reach it."""
+    evidence = [_req_quote(r), _outcome_quote(r)]
+    confidence = "high"
+    if math.isinf(gone):  # a capture that does not say when
+        summary = (
+            "The client sent a request on a connection the upstream had already closed "
+            "(its FIN had been passed on to the client)."
+        )
+    elif gone < RACE_WINDOW:
+        summary = (
+            f"The client wrote a request on its keep-alive connection {gone * 1000:.1f} ms "
+            f"after the tap passed on the upstream's close, after {r.idle_before:.3f} s idle: "
+            "too soon to tell a client that ignored the close from the keep-alive race (the "
+            "request already on its way); either way the upstream drops idle connections "
+            "sooner than the client's pool."
+        )
+        confidence = "medium"
+    else:
+        summary = (
+            f"The client sent a request on a connection the upstream had closed {gone:.3f} s "
+            f"before (its FIN had been passed on to the client), after {r.idle_before:.3f} s "
+            "idle: the client's pool kept it longer than the upstream keeps idle connections."
+        )
+    if not math.isinf(gone):
+        evidence.append(
+            f"the upstream's close had been passed on to the client {gone:.6f} s before"
+        )
+    return _finding(
+        "client_reused_closed_connection",
+        "client",
+        summary,
+        [r],
+        evidence,
+        [],
+        confidence,
+        t=r.start,
+    )
 
 
 def analyze_client_connections(ctx: Context) -> list[dict[str, Any]]:

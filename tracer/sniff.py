@@ -476,8 +476,13 @@ class ConnectionObserver:
             )
         )
         if self.upstream_closed_m is not None:  # nothing can answer it any more
+            gone = m - self.upstream_closed_m  # how long the client could have known
             self._end_response(
-                req, m, "truncated", close=self.upstream_close, detail="upstream already closed"
+                req,
+                m,
+                "truncated",
+                close=self.upstream_close,
+                detail=f"upstream already closed {gone:.6f} s before",
             )
             return
 
