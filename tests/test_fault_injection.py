@@ -639,6 +639,54 @@ async def test_close_idle_after_behind_a_recording_tap(tmp_path: Path) -> None:
     assert written in note["evidence"][1]
 
 
+async def analyze_json(*captures: Path) -> dict[str, Any]:
+    result = await anyio.run_process(
+        [sys.executable, "-m", "tracer", "analyze", *map(str, captures), "--format", "json"]
+    )
+    doc: dict[str, Any] = json.loads(result.stdout)
+    return doc
+
+
+@pytest.mark.parametrize("spec", ["half-open@pos=2", "coalesce:0.04"])
+async def test_faults_behind_a_recording_tap_are_notes(tmp_path: Path, spec: str) -> None:
+    """The faulting tap behind a recording one, both captures analysed: what the client got
+    is the injection's doing, not the hop between them. ``half-open`` reads only the head
+    of request 2 (no body to join the two copies by: found through the connection);
+    ``coalesce`` leaves the request healthy at both taps (joined for the bunching only)."""
+    async with faulty_tap(tmp_path, spec, name="back") as (_, back):
+        async with running_tap(back.port, tmp_path, name="front", stall_after=0.2) as front:
+            async with await connect(front) as s:
+                if spec.startswith("half-open"):
+                    assert await exchange(s, CHAT, STREAM) == STREAM
+                    head, _, body = CHAT.partition(b"\r\n\r\n")
+                    await s.send(head + b"\r\n\r\n")  # the tap behind stops at the head,
+                    await back.wait_for(ev.FaultInjected)
+                    await s.send(body)  # so it never reads the body
+                    await front.wait_for(ev.Stall, seq=2)
+                else:  # 25 events 10 ms apart, sent on in bunches
+                    body = json.dumps({**json.loads(BODY), "max_tokens": 23}).encode()
+                    head = CHAT.split(b"\r\n\r\n")[0].replace(
+                        b"host: up", b"host: up\r\nx-itl: 0.01"
+                    )
+                    head = re.sub(rb"content-length: \d+", b"content-length: %d" % len(body), head)
+                    await s.send(head + b"\r\n\r\n" + body)
+                    await recv_until(s, lambda b: b.endswith(b"0\r\n\r\n"))
+                    await front.wait_for(ev.ResponseEnd)
+                    await back.wait_for(ev.ResponseEnd)
+    doc = await analyze_json(front.capture, back.capture)
+    assert doc["verdict"]["kind"] == "healthy", doc["findings"]
+    (note,) = doc["findings"]
+    assert note["kind"] == "injected_fault" and spec in note["summary"]
+    if spec.startswith("half-open"):
+        assert note["requests"] == ["back/1/2", "front/1/2"]
+        assert "would read as: proxy_hung_on_reuse" in note["summary"]
+    else:
+        assert note["requests"] == ["back/1/1"]
+        assert "would read as: delivery_coalesced" in note["summary"]
+    alone = await analyze_json(front.capture)  # without the records: the symptom
+    assert alone["verdict"]["party"] != "none"
+
+
 # ---- half-open ------------------------------------------------------------------------
 
 

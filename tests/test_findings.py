@@ -1062,3 +1062,47 @@ def test_a_request_after_the_upstreams_close_says_how_long_after(
         if detail.endswith("closed")
         else [f"the upstream's close had been passed on to the client {detail.split()[3]} s before"]
     )
+
+
+def test_bunching_injected_behind_another_tap_is_a_note() -> None:
+    """``coalesce`` at the tap behind: its own events are steady, the front tap's come in
+    bunches, which read as the hop between them unless the fault record says otherwise.
+    The request is healthy at both taps, so it is joined only for the bunching."""
+    front, back = Cap("front", upstream=PROXY), Cap("back", upstream=ROUTER)
+    _bunched(front, 0.0, bunched=True)
+    _bunched(back, 0.002, bunched=False)
+    _injected(back, 0.02, 1, 1, "coalesce:0.04", "response delivered in bunches: held 0.04s")
+    result = analyze(front, back)
+    assert result["verdict"]["kind"] == "healthy"
+    (note,) = result["findings"]
+    assert note["kind"] == "injected_fault" and note["requests"] == ["back/1/1"]
+    assert "would read as: delivery_coalesced" in note["summary"]
+
+
+def test_a_request_the_tap_behind_stopped_reading_is_found_through_the_connection() -> None:
+    """``half-open`` at the tap behind: it read the head of request 2 and then neither
+    read nor wrote, so it has no body to join the front tap's copy by (and there is no
+    request id). The two taps' records of the connection are one TCP connection, and a
+    tap relays its requests in order: request 2 in front is request 2 behind."""
+    front, back = _closed_under(fault=False)
+    front.events = [e for e in front.events if getattr(e, "seq", None) != 2]
+    back.events = [e for e in back.events if not isinstance(e, ev.ConnClose)]
+    front._e(
+        ev.RequestHead, 0.5005, conn=1, seq=2, idle_before=0.4, method="POST",
+        target="/v1/chat/completions", version="1.1", headers=[],
+    )  # fmt: skip
+    front._e(ev.RequestEnd, 0.5005, conn=1, seq=2, complete=True, body_bytes=10)
+    front.stall(1, 2, 0.5005, None)
+    back._e(
+        ev.RequestHead, 0.5006, conn=2, seq=2, idle_before=0.4, method="POST",
+        target="/v1/chat/completions", version="1.1", headers=[],
+    )  # fmt: skip
+    _injected(back, 0.5006, 2, 2, "half-open@pos=2", "the tap stopped reading and writing")
+    result = analyze(front, back)
+    assert result["verdict"]["kind"] == "healthy", result["findings"]
+    (note,) = result["findings"]
+    assert note["requests"] == ["back/2/2", "front/1/2"]
+    assert (
+        "front/1/2 POST /v1/chat/completions: the same request at tap front, request 2 on "
+        "both (front/1 is back/2, one TCP connection)"
+    ) in note["evidence"][1]

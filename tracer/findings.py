@@ -695,6 +695,10 @@ class Context:
         """Every request ``masked`` knows, as each tap saw it."""
         return list(self._resolve()[2].values())
 
+    def bunched_groups(self) -> list[dict[str, RequestRow]]:
+        """Every request ``seen_with`` knows, as each tap saw it."""
+        return list({id(g): g for g in self._resolve()[1].values()}.values())
+
     def seen_with(self, r: RequestRow) -> dict[str, RequestRow]:
         """A request whose events came bunched, as each tap saw it (empty when alone)."""
         return self._resolve()[1].get(r.id, {})
@@ -2172,14 +2176,15 @@ def _injected_by_the_tap(ctx: Context, findings: list[dict[str, Any]]) -> list[d
         records[key].append(rec)
         if isinstance(rec.get("conn"), int) and isinstance(rec.get("seq"), int):
             faults_of[f"{key[0]}/{rec['conn']}/{rec['seq']}"].add(key)
-    for seen in [*ctx.joined(), *ctx.masked_groups()]:  # a request's copies at other taps
+    groups = [*ctx.joined(), *ctx.masked_groups(), *ctx.bunched_groups()]
+    for seen in groups:  # a request's copies at other taps
         keys = set().union(*(faults_of.get(r.id, set()) for r in seen.values()))
         if keys:
             for r in seen.values():
                 faults_of[r.id] |= keys
-    later = _written_after_close(ctx, records)
+    later = _through_the_connection(ctx, records, set(faults_of))
     for key, found in later.items():
-        for r, _ in found:
+        for r, _, _ in found:
             faults_of[r.id].add(key)
     kept: list[dict[str, Any]] = []
     read_as: dict[tuple[str, str], set[str]] = defaultdict(set)
@@ -2196,35 +2201,40 @@ def _injected_by_the_tap(ctx: Context, findings: list[dict[str, Any]]) -> list[d
     ]
 
 
-def _written_after_close(
-    ctx: Context, records: dict[tuple[str, str], list[dict[str, Any]]]
-) -> dict[tuple[str, str], list[tuple[RequestRow, str]]]:
-    """Requests that a tap in front wrote on a connection after the tap behind it had
-    closed that connection by an injected fault (``close-idle-after``): they never reached
-    the faulting tap, which has no record of them, so they are found through the
-    connection (``Context.conns_in_front``). By fault, each with its connection there."""
-    closes = {
-        (str(rec.get("tap")), rec["conn"]): (key, float(rec["t"]))
-        for key, recs in records.items()
-        for rec in recs
-        if rec.get("fault") in CLOSING_FAULTS and isinstance(rec.get("conn"), int)
-    }
-    if not closes:
+def _through_the_connection(
+    ctx: Context, records: dict[tuple[str, str], list[dict[str, Any]]], covered: set[str]
+) -> dict[tuple[str, str], list[tuple[RequestRow, str, bool]]]:
+    """Requests at a tap in front that a fault of the tap behind acted on, found through
+    the connection the two taps share (``Context.conns_in_front``) where no request join
+    found them: a request written after the faulting tap had closed the connection
+    (``close-idle-after``) never reached it, and one it stopped reading (``half-open``)
+    reached it without the body a join goes by. The request in front is the one at the
+    same position on the connection (a tap relays a connection's requests in order), or
+    for a close, any after it. By fault: each with the connection behind and whether it
+    came after a close."""
+    acts: dict[tuple[str, int], list[tuple[tuple[str, str], int, float, bool]]] = defaultdict(list)
+    for key, recs in records.items():
+        for rec in recs:
+            conn, seq = rec.get("conn"), rec.get("seq")
+            if isinstance(conn, int) and isinstance(seq, int):
+                closing = rec.get("fault") in CLOSING_FAULTS
+                acts[(key[0], conn)].append((key, seq, float(rec["t"]), closing))
+    if not acts:
         return {}
-    backs = {f"{tap}/{conn}": (tap, conn) for tap, conn in closes}
-    fronts: dict[tuple[str, int], tuple[tuple[str, str], float, str]] = {}
-    for back, front in ctx.conns_in_front(set(closes)).items():
-        key, t = closes[backs[back]]
-        fronts[(front.tap, front.conn)] = (key, t, back)
-    found: dict[tuple[str, str], list[tuple[RequestRow, str]]] = defaultdict(list)
+    ids = {f"{tap}/{conn}": (tap, conn) for tap, conn in acts}
+    fronts = {(f.tap, f.conn): back for back, f in ctx.conns_in_front(set(acts)).items()}
+    found: dict[tuple[str, str], list[tuple[RequestRow, str, bool]]] = defaultdict(list)
     for r in ctx.interesting:
-        hit = fronts.get((r.tap, r.conn))
-        if hit is None or not r.method:
+        back = fronts.get((r.tap, r.conn))
+        if back is None or r.id in covered or not r.method:
             continue
-        (tap, _), t, back = hit
-        slack = SHARED_CLOCK_SLACK if ctx.one_clock(r.tap, tap) else JOIN_SLACK
-        if r.start >= t - slack:
-            found[hit[0]].append((r, back))
+        for key, seq, t, closing in acts[ids[back]]:
+            slack = SHARED_CLOCK_SLACK if ctx.one_clock(r.tap, key[0]) else JOIN_SLACK
+            after = r.seq > seq and r.start >= t - slack
+            same = r.seq == seq and r.start <= t + slack
+            if after if closing else same:
+                found[key].append((r, back, closing))
+                break
     return found
 
 
@@ -2233,12 +2243,12 @@ def _injected_note(
     records: list[dict[str, Any]],
     rows: dict[str, RequestRow],
     read_as: set[str],
-    later: list[tuple[RequestRow, str]],
+    later: list[tuple[RequestRow, str, bool]],
 ) -> dict[str, Any]:
     tap, spec = key
     ids = sorted(
         {f"{tap}/{r['conn']}/{r['seq']}" for r in records if isinstance(r.get("seq"), int)}
-        | {r.id for r, _ in later},
+        | {r.id for r, _, _ in later},
         key=lambda rid: (
             rid.split("/")[0],
             *(int(x) if x.isdigit() else 0 for x in rid.split("/")[-2:]),
@@ -2256,11 +2266,15 @@ def _injected_note(
         evidence.append(line)
     if len(records) > MAX_QUOTED:
         evidence.append(f"... and {len(records) - MAX_QUOTED} more injection(s)")
-    for r, conn in later[:MAX_QUOTED]:
+    for r, conn, closed in later[:MAX_QUOTED]:
+        how = (
+            f"written at tap {r.tap} after tap {tap} had closed the connection"
+            if closed
+            else f"the same request at tap {r.tap}, request {r.seq} on both"
+        )
         evidence.append(
-            f"{_ts(r.start)} {r.id} {r.method} {r.target}: written at tap {r.tap} after "
-            f"tap {tap} had closed the connection ({r.tap}/{r.conn} is {conn}, one TCP "
-            f"connection); the client got {_outcome_quote(r)}"
+            f"{_ts(r.start)} {r.id} {r.method} {r.target}: {how} ({r.tap}/{r.conn} is "
+            f"{conn}, one TCP connection); the client got {_outcome_quote(r)}"
         )
     if len(later) > MAX_QUOTED:
         evidence.append(f"... and {len(later) - MAX_QUOTED} more such request(s)")
