@@ -28,6 +28,12 @@ fault                      in mitmproxy
                            comes) and a truncation kills it (closed without the end)
 =========================  ============================================================
 
+A request body mitmproxy streams (``stream_large_bodies``: it sends the body upstream as
+it comes, and an addon cannot turn that off for one request) is on its way before
+``request``: ``hang-on-reuse`` and ``drop-request`` hold such a request at its head
+(as ``half-open``: never forwarded), and ``status`` is not applied to it (mitmproxy
+cannot send an addon's response for a streamed request): logged, no ``fault`` record.
+
 Limits, refused by ``configure`` with a clear message (``tracer proxy`` has them all):
 mitmproxy gives an addon no hook inside a streamed body, so a stall can only be for good
 (``stall-after-events:K:inf``) and a truncation takes effect when the upstream's response
@@ -57,6 +63,7 @@ if importlib.util.find_spec("tracer") is None:  # a mitmdump without tracer inst
 
 from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.addonmanager import Loader
+from mitmproxy.utils import human
 
 from tracer.faults import (
     Decision,
@@ -93,12 +100,38 @@ def unsupported(fault: Fault) -> str | None:
 class _Flow:
     """A request some fault applies to. (No dataclass: mitmproxy loads scripts unregistered.)"""
 
-    __slots__ = ("decision", "seq", "stopped")
+    __slots__ = ("decision", "early", "seq", "stopped")
 
     def __init__(self, seq: int, decision: Decision) -> None:
         self.seq = seq
         self.decision = decision
         self.stopped: Fault | None = None  # the event fault that stopped the stream
+        self.early = False  # its request fault was dealt with at its head (streamed body)
+
+
+def _stream_large_bodies() -> str | None:
+    """mitmproxy's ``stream_large_bodies`` (a proxy's option: a bare test context may
+    not have it)."""
+    try:
+        value = ctx.options.stream_large_bodies
+    except AttributeError:
+        return None
+    return str(value) if value else None
+
+
+def _streamed(req: http.Request) -> bool:
+    """Whether mitmproxy streams this request's body upstream as it comes: it says so at
+    the head when the body's length is over ``stream_large_bodies``; a chunked body it
+    streams once what it buffered is over it."""
+    if req.stream:
+        return True
+    limit = human.parse_size(_stream_large_bodies())
+    if limit is None:
+        return False
+    if "chunked" in req.headers.get("transfer-encoding", "").lower():
+        return True
+    length = req.headers.get("content-length", "")
+    return length.isdigit() and int(length) > limit
 
 
 class TracerFaults:
@@ -140,6 +173,13 @@ class TracerFaults:
         if tracer is not None:
             tracer.record_fault_plan(self.plan.specs, "replace" if faults else "clear")
         log.warning("tracer faults now: %s", ", ".join(self.plan.specs) or "none")
+        streams = _stream_large_bodies()
+        if streams and any(f.name == "status" for f in faults):
+            log.warning(
+                "tracer faults: status does not apply to a request whose body mitmproxy "
+                "streams (stream_large_bodies=%s): such a request goes upstream",
+                streams,
+            )
 
     # ---- requests -------------------------------------------------------------------
 
@@ -160,11 +200,28 @@ class TracerFaults:
         if fault is not None and fault.name == "half-open":
             self._note(flow, st, fault, "the flow is held before its body: never answered")
             flow.intercept()  # type: ignore[no-untyped-call]
+        elif fault is not None and _streamed(req):
+            # mitmproxy sends a body it streams (stream_large_bodies) upstream as it comes,
+            # and turns streaming back on if an addon turns it off: ``request`` would come
+            # too late to hold the request, and a response cannot be set for it at all
+            st.early = True
+            if fault.name == "status":
+                log.warning(
+                    "tracer fault %s not applied to request %d: mitmproxy streams its body "
+                    "(stream_large_bodies), and a streamed request cannot be answered by "
+                    "an addon; it goes upstream",
+                    fault.spec,
+                    seq,
+                )
+                return
+            detail = "held before its body, which mitmproxy streams: never forwarded"
+            self._note(flow, st, fault, detail)
+            flow.intercept()  # type: ignore[no-untyped-call]
 
     def request(self, flow: http.HTTPFlow) -> None:
         st = self._flows.get(flow.id)
         fault = None if st is None else st.decision.request
-        if st is None or fault is None or fault.name == "half-open":
+        if st is None or fault is None or fault.name == "half-open" or st.early:
             return
         if fault.name == "status":
             self._note(flow, st, fault, f"answered {fault.status} without forwarding")

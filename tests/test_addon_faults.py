@@ -259,6 +259,7 @@ async def mitmdump(
     *specs: str,
     capture: Path | None = None,
     web: tuple[int, str] | None = None,
+    options: tuple[str, ...] = (),
 ) -> AsyncIterator[str]:
     """mitmdump with the addons in reverse mode; with ``web`` (port, password): mitmweb,
     whose REST API changes options while it runs."""
@@ -275,6 +276,8 @@ async def mitmdump(
     cmd += ["--set", f"confdir={tmp_path / 'mitmproxy'}"]
     for spec in specs:
         cmd += ["--set", f"tracer_faults={spec}"]
+    for option in options:
+        cmd += ["--set", option]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -446,3 +449,44 @@ async def test_mitmdump_drop_done_and_truncate_against_the_sim_engine(tmp_path: 
     assert [e.closed_by for e in events if isinstance(e, ev.ConnClose)] == ["tracer"]
     faults = [(e.seq, e.fault) for e in events if isinstance(e, ev.FaultInjected)]
     assert faults == [(1, "drop-done"), (2, "truncate-after-events")]
+
+
+@pytest.mark.anyio
+async def test_request_faults_when_mitmproxy_streams_request_bodies(tmp_path: Path) -> None:
+    """With ``stream_large_bodies`` mitmproxy sends a request body upstream as it comes
+    (and turns streaming back on if an addon turns it off), so ``request`` comes too late
+    to hold the request: ``hang-on-reuse`` holds it at its head instead, and the engine
+    never sees it. A response cannot be set for a streamed request at all: ``status`` is
+    not applied (logged, no ``fault`` record), where before the engine's answer went
+    through under a record of a 503."""
+    capture = tmp_path / "mitm.jsonl"
+    specs = ("status:503@path=/v1/completions", "hang-on-reuse:2@path=/v1/chat/*")
+    async with engine_running(ttft=0.0, itl=0.001) as engine:
+        async with mitmdump(
+            engine.url, tmp_path, *specs, capture=capture, options=("stream_large_bodies=1",)
+        ) as url:
+            args: dict[str, Any] = {"base_url": url + "/v1", "api_key": "sk-x", "max_retries": 0}
+            async with openai.AsyncOpenAI(**args, timeout=5.0) as client:
+                answered = await client.completions.create(
+                    model="sim-model", prompt="hi", max_tokens=3
+                )
+                assert answered.choices[0].finish_reason == "length"
+            messages: Any = [{"role": "user", "content": "hi"}]
+            async with openai.AsyncOpenAI(**args, timeout=1.0) as client:
+                done = await client.chat.completions.create(
+                    model="sim-model", messages=messages, max_tokens=3
+                )
+                assert done.choices[0].finish_reason == "length"
+                with pytest.raises(openai.APITimeoutError):
+                    await client.chat.completions.create(
+                        model="sim-model", messages=messages, max_tokens=3
+                    )
+    assert engine.hits["POST /v1/completions"] == 1
+    assert engine.hits["POST /v1/chat/completions"] == 1
+    events = list(read_events(capture))
+    faults = [(f.fault, f.seq, f.detail) for f in events if isinstance(f, ev.FaultInjected)]
+    held = "held before its body, which mitmproxy streams: never forwarded"
+    assert faults == [("hang-on-reuse", 2, held)]
+    log = next(tmp_path.glob("mitmdump-*.log")).read_text()
+    assert "status does not apply to a request whose body mitmproxy streams" in log
+    assert "tracer fault status:503@path=/v1/completions not applied to request 1" in log
