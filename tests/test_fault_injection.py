@@ -687,6 +687,46 @@ async def test_faults_behind_a_recording_tap_are_notes(tmp_path: Path, spec: str
     assert alone["verdict"]["party"] != "none"
 
 
+# what the SDK gets from two calls on one connection, the fault acting on (at least) the
+# second: "ok", or the exception's name
+BEHIND = [
+    ("hang-on-reuse:2", ["ok", "APITimeoutError"]),
+    ("drop-request@pos=2", ["ok", "APITimeoutError"]),
+    ("status:503@pos=2", ["ok", "InternalServerError"]),
+    ("delay-first-byte:0.2", ["ok", "ok"]),
+    ("stall-after-events:2:0.2", ["ok", "ok"]),
+    ("stall-after-events:2:inf@pos=2", ["ok", "APITimeoutError"]),
+    ("truncate-after-events:2@pos=2", ["ok", "APIConnectionError"]),
+    ("drop-done", ["ok", "ok"]),
+    ("buffer-stream", ["ok", "ok"]),
+]
+
+
+@pytest.mark.parametrize(("spec", "got"), BEHIND, ids=[spec for spec, _ in BEHIND])
+async def test_every_fault_behind_a_recording_tap_is_a_note(
+    tmp_path: Path, spec: str, got: list[str]
+) -> None:
+    """Each fault at a tap behind a recording one, through the openai SDK: with both
+    captures the verdict is healthy and the fault is one note, never the hop between the
+    taps, the engine or the client."""
+    async with faulty_tap(tmp_path, spec, name="back") as (_, back):
+        async with running_tap(back.port, tmp_path, name="front", stall_after=0.2) as front:
+            results = []
+            async with sdk(front, timeout=0.6) as client:
+                for _ in range(2):
+                    try:
+                        await chat(client)
+                        results.append("ok")
+                    except openai.OpenAIError as exc:
+                        results.append(type(exc).__name__)
+            assert results == got
+            await back.wait_for(ev.RequestHead, count=2)
+    doc = await analyze_json(front.capture, back.capture)
+    assert doc["verdict"]["kind"] == "healthy", doc["findings"]
+    assert [f["kind"] for f in doc["findings"]] == ["injected_fault"]
+    assert spec in doc["findings"][0]["summary"]
+
+
 # ---- half-open ------------------------------------------------------------------------
 
 
