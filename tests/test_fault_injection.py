@@ -687,6 +687,31 @@ async def test_faults_behind_a_recording_tap_are_notes(tmp_path: Path, spec: str
     assert alone["verdict"]["party"] != "none"
 
 
+async def test_half_open_behind_a_hop_is_matched_by_its_head(tmp_path: Path) -> None:
+    """``half-open`` with a hop between the recording tap and the faulting one (a third
+    tap, whose capture is left out, stands for nginx or the router): no shared
+    connection, and no body at the faulting tap. The front tap's copy is matched by its
+    head, so the hop is not blamed for what the faulting tap did."""
+    async with faulty_tap(tmp_path, "half-open@pos=2", name="back") as (_, back):
+        async with running_tap(back.port, tmp_path, name="hop") as hop:
+            async with running_tap(hop.port, tmp_path, name="front", stall_after=0.2) as front:
+                async with await connect(front) as s:
+                    assert await exchange(s, CHAT, STREAM) == STREAM
+                    head, _, body = CHAT.partition(b"\r\n\r\n")
+                    await s.send(head + b"\r\n\r\n")
+                    await back.wait_for(ev.FaultInjected)
+                    await s.send(body)
+                    await front.wait_for(ev.Stall, seq=2)
+    doc = await analyze_json(front.capture, back.capture)
+    assert doc["verdict"]["kind"] == "healthy", doc["findings"]
+    (note,) = doc["findings"]
+    assert note["requests"] == ["back/1/2", "front/1/2"]
+    assert (
+        "front/1/2 POST /v1/chat/completions: the same request at tap front as back/1/2, "
+        "matched by its head"
+    ) in note["evidence"][1]
+
+
 # what the SDK gets from two calls on one connection, the fault acting on (at least) the
 # second: "ok", or the exception's name
 BEHIND = [

@@ -1106,3 +1106,29 @@ def test_a_request_the_tap_behind_stopped_reading_is_found_through_the_connectio
         "front/1/2 POST /v1/chat/completions: the same request at tap front, request 2 on "
         "both (front/1 is back/2, one TCP connection)"
     ) in note["evidence"][1]
+
+
+def test_a_request_the_tap_behind_a_hop_stopped_reading_is_matched_by_its_head() -> None:
+    """``half-open`` behind a hop (nginx, the router): no shared connection, and no body at
+    the faulting tap to join by. The front tap's copy is the latest unjoined request with
+    the same method and target that began just before it; an older one is not."""
+    front, back = Cap("front", upstream=PROXY), Cap("back", upstream=ROUTER)
+    front.exchange(1, 1, 0.0, rid="r1")
+    back.exchange(1, 1, 0.003, rid="r1")
+    front.exchange(2, 1, 0.5)  # the same method and target, answered long before
+    front.exchange(3, 1, 2.0, end=None)
+    front.stall(3, 1, 2.0, None)
+    back._e(
+        ev.RequestHead, 2.003, conn=1, seq=2, idle_before=1.9, method="POST",
+        target="/v1/chat/completions", version="1.1", headers=[],
+    )  # fmt: skip
+    back._e(ev.RequestEnd, 2.5, conn=1, seq=2, complete=False, body_bytes=0)
+    _injected(back, 2.003, 1, 2, "half-open@pos=2", "the tap stopped reading and writing")
+    result = analyze(front, back)
+    assert result["verdict"]["kind"] == "healthy", result["findings"]
+    (note,) = result["findings"]
+    assert note["requests"] == ["back/1/2", "front/3/1"]
+    assert (
+        "front/3/1 POST /v1/chat/completions: the same request at tap front as back/1/2, "
+        "matched by its head"
+    ) in note["evidence"][1]

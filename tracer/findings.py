@@ -2183,6 +2183,9 @@ def _injected_by_the_tap(ctx: Context, findings: list[dict[str, Any]]) -> list[d
             for r in seen.values():
                 faults_of[r.id] |= keys
     later = _through_the_connection(ctx, records, set(faults_of))
+    linked = {r.id for found in later.values() for r, _, _ in found}
+    for key, found in _by_head(ctx, records, set(faults_of) | linked, groups).items():
+        later[key] = later.get(key, []) + found
     for key, found in later.items():
         for r, _, _ in found:
             faults_of[r.id].add(key)
@@ -2238,6 +2241,41 @@ def _through_the_connection(
     return found
 
 
+def _by_head(
+    ctx: Context,
+    records: dict[tuple[str, str], list[dict[str, Any]]],
+    covered: set[str],
+    groups: list[dict[str, RequestRow]],
+) -> dict[tuple[str, str], list[tuple[RequestRow, str, bool]]]:
+    """The copies at taps in front of a request the faulting tap read only the head of
+    (``half-open``), where a hop between the taps leaves no shared connection: no body to
+    join them by, so the latest unjoined request with the same method and target that a
+    tap in front began at most ``JOIN_SLACK`` before it."""
+    rows = {r.id: r for r in ctx.interesting}
+    joined = {r.id for g in groups if len(g) > 1 for r in g.values()}  # to another tap
+    rank = {tap: i for i, tap in enumerate(ctx.order)}
+    found: dict[tuple[str, str], list[tuple[RequestRow, str, bool]]] = defaultdict(list)
+    for key, recs in records.items():
+        for rec in recs:
+            back = rows.get(f"{key[0]}/{rec.get('conn')}/{rec.get('seq')}")
+            if back is None or back.request_complete or back.id in joined:
+                continue
+            fronts: dict[str, RequestRow] = {}
+            for r in ctx.interesting:
+                slack = SHARED_CLOCK_SLACK if ctx.one_clock(r.tap, back.tap) else JOIN_SLACK
+                if (
+                    rank.get(r.tap, 0) < rank.get(back.tap, 0)
+                    and r.id not in covered
+                    and r.id not in joined
+                    and (r.method, r.target) == (back.method, back.target)
+                    and back.start - JOIN_SLACK <= r.start <= back.start + slack
+                    and (r.tap not in fronts or r.start > fronts[r.tap].start)
+                ):
+                    fronts[r.tap] = r
+            found[key] += [(r, back.id, False) for r in fronts.values()]
+    return found
+
+
 def _injected_note(
     key: tuple[str, str],
     records: list[dict[str, Any]],
@@ -2267,14 +2305,16 @@ def _injected_note(
     if len(records) > MAX_QUOTED:
         evidence.append(f"... and {len(records) - MAX_QUOTED} more injection(s)")
     for r, conn, closed in later[:MAX_QUOTED]:
-        how = (
-            f"written at tap {r.tap} after tap {tap} had closed the connection"
-            if closed
-            else f"the same request at tap {r.tap}, request {r.seq} on both"
-        )
+        if closed:
+            how = f"written at tap {r.tap} after tap {tap} had closed the connection"
+        elif conn.count("/") == 1:  # the connection
+            how = f"the same request at tap {r.tap}, request {r.seq} on both"
+        else:  # the request, matched by its head
+            how = f"the same request at tap {r.tap} as {conn}, matched by its head"
+        link = f" ({r.tap}/{r.conn} is {conn}, one TCP connection)" if conn.count("/") == 1 else ""
         evidence.append(
-            f"{_ts(r.start)} {r.id} {r.method} {r.target}: {how} ({r.tap}/{r.conn} is "
-            f"{conn}, one TCP connection); the client got {_outcome_quote(r)}"
+            f"{_ts(r.start)} {r.id} {r.method} {r.target}: {how}{link}; the client got "
+            f"{_outcome_quote(r)}"
         )
     if len(later) > MAX_QUOTED:
         evidence.append(f"... and {len(later) - MAX_QUOTED} more such request(s)")
