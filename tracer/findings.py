@@ -2254,6 +2254,11 @@ def _by_head(
     rows = {r.id: r for r in ctx.interesting}
     joined = {r.id for g in groups if len(g) > 1 for r in g.values()}  # to another tap
     rank = {tap: i for i, tap in enumerate(ctx.order)}
+    by_head: dict[tuple[str, str], list[RequestRow]] = defaultdict(list)
+    for r in ctx.interesting:
+        if r.id not in covered and r.id not in joined:
+            by_head[(r.method, r.target)].append(r)
+    taken: set[str] = set()
     found: dict[tuple[str, str], list[tuple[RequestRow, str, bool]]] = defaultdict(list)
     for key, recs in records.items():
         for rec in recs:
@@ -2261,17 +2266,16 @@ def _by_head(
             if back is None or back.request_complete or back.id in joined:
                 continue
             fronts: dict[str, RequestRow] = {}
-            for r in ctx.interesting:
+            for r in by_head.get((back.method, back.target), []):
                 slack = SHARED_CLOCK_SLACK if ctx.one_clock(r.tap, back.tap) else JOIN_SLACK
                 if (
                     rank.get(r.tap, 0) < rank.get(back.tap, 0)
-                    and r.id not in covered
-                    and r.id not in joined
-                    and (r.method, r.target) == (back.method, back.target)
+                    and r.id not in taken
                     and back.start - JOIN_SLACK <= r.start <= back.start + slack
                     and (r.tap not in fronts or r.start > fronts[r.tap].start)
                 ):
                     fronts[r.tap] = r
+            taken.update(r.id for r in fronts.values())
             found[key] += [(r, back.id, False) for r in fronts.values()]
     return found
 
