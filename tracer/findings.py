@@ -2163,8 +2163,9 @@ def _fold(
 def _injected_by_the_tap(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What a tap injected on purpose (``--fault``: its ``fault`` records) is never a fault
     of the client, a proxy or the engine: a finding whose requests were all injected (at
-    some tap, for a request joined across taps) gives way to one ``injected_fault`` note
-    per tap and spec, which says what the clients got and what the analysis would have
+    some tap, for a request joined across taps, or found at a tap in front through the
+    connection both recorded or by its head) gives way to one ``injected_fault`` note per
+    tap and spec, which says what the clients got and what the analysis would have
     called it without the record (what a resilience test, or a test of the analysis,
     wants to read)."""
     if not ctx.e.faults:
