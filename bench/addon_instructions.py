@@ -23,7 +23,8 @@ from pathlib import Path
 
 from .addon import HOOKS_SCRIPT, mitmdump_argv
 from .loadgen import Turns, agent_body
-from .procs import free_port, wait_port
+from .peers import PROXY_CORE
+from .procs import free_port, spawn, wait_port
 from .run import REPO
 
 EVENTS_PER_REQUEST = 65  # 64 events and [DONE]
@@ -61,6 +62,32 @@ def _drive(
         for s in socks:
             s.close()
     return done
+
+
+def cpu_per_event(
+    name: str,
+    argv: list[str],
+    port: int,
+    out: Path,
+    requests: int,
+    *,
+    warmup: int,
+    request: bytes = REQUEST,
+) -> tuple[float, int]:
+    """(µs of CPU per SSE event, requests done) of a fresh process started from ``argv``
+    on the proxy's core and listening on ``port``: ``warmup`` requests, then ``requests``
+    in lockstep over 16 connections, its CPU read around them; stopped after."""
+    proc = spawn(name, argv, core=PROXY_CORE, log_dir=out, cwd=REPO)
+    try:
+        wait_port(port, proc.popen, timeout=30)
+        deadline = time.monotonic() + 300
+        _drive(port, warmup, deadline, conns=16, request=request)
+        before = proc.cpu()
+        done = _drive(port, requests, deadline, conns=16, request=request)
+        spent = proc.cpu() - before
+    finally:
+        proc.stop()
+    return spent / (done * EVENTS_PER_REQUEST) * 1e6, done
 
 
 def _summary(path: Path) -> int:

@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
-from . import peers
 from .addon import HOOKS_SCRIPT, mitmdump_argv
-from .addon_instructions import EVENTS_PER_REQUEST, REQUEST, _drive, agent_request
-from .procs import Proc, cpu_seconds, free_port, spawn, wait_port
+from .addon_instructions import REQUEST, agent_request, cpu_per_event
+from .procs import Proc, free_port
 from .run import REPO, start_upstream
 
 BURN_HOOK = """\
@@ -82,19 +80,12 @@ def _one(variant: str, upstream: int, out: Path, requests: int, request: bytes) 
     """CPU µs per SSE event of a fresh mitmdump running ``variant``."""
     port = free_port()
     argv = [*mitmdump_argv(upstream, port, out), *_script(variant, out)]
-    proc: Proc = spawn("lockstep-mitmdump", argv, core=peers.PROXY_CORE, log_dir=out, cwd=REPO)
-    try:
-        wait_port(port, proc.popen, timeout=30)
-        deadline = time.monotonic() + 300
-        _drive(port, 160, deadline, conns=16, request=request)  # warm-up
-        before = cpu_seconds(proc.pid)
-        done = _drive(port, requests, deadline, conns=16, request=request)
-        used = cpu_seconds(proc.pid) - before
-    finally:
-        proc.stop()
+    per_event, done = cpu_per_event(
+        "lockstep-mitmdump", argv, port, out, requests, warmup=160, request=request
+    )
     if done < requests:
         raise RuntimeError(f"{variant}: {done} of {requests} requests before the deadline")
-    return used / (done * EVENTS_PER_REQUEST) * 1e6
+    return per_event
 
 
 def main(argv: list[str] | None = None) -> int:

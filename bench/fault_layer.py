@@ -20,11 +20,9 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
-from .addon_instructions import EVENTS_PER_REQUEST, _drive
-from .peers import PROXY_CORE
+from .addon_instructions import cpu_per_event
 from .procs import Proc, free_port, spawn, wait_port
 from .run import REPO, RIG_CORE
 
@@ -44,17 +42,8 @@ def measure(name: str, upstream: int, out: Path, requests: int) -> float:
     argv += ["--listen", f"127.0.0.1:{port}", "--upstream", f"http://127.0.0.1:{upstream}"]
     argv += ["--capture", str(capture)]
     argv += [a.format(admin=free_port()) for a in VARIANTS[name]]
-    proc = spawn(f"fault-layer-{name}", argv, core=PROXY_CORE, log_dir=out, cwd=REPO)
-    try:
-        wait_port(port, proc.popen, timeout=30)
-        deadline = time.monotonic() + 300
-        _drive(port, 64, deadline, conns=16)  # warm-up
-        before = proc.cpu()
-        done = _drive(port, requests, deadline, conns=16)
-        spent = proc.cpu() - before
-    finally:
-        proc.stop()
-    return spent / (done * EVENTS_PER_REQUEST) * 1e6
+    per_event, _ = cpu_per_event(f"fault-layer-{name}", argv, port, out, requests, warmup=64)
+    return per_event
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,7 @@ from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 from urllib.parse import urlsplit
 
 from .analysis import ZERO_GAP, ConnectionRow, RequestRow
@@ -729,6 +729,10 @@ class Context:
         """Whether these taps read one wall clock (``_shared_clock``)."""
         return _shared_clock([self.e.taps.get(t, {}) for t in taps])
 
+    def slack(self, a: str, b: str) -> float:
+        """How far apart two taps' times of one moment may be."""
+        return SHARED_CLOCK_SLACK if self.one_clock(a, b) else JOIN_SLACK
+
     def shared(self, a: str, b: str) -> int:
         pair = self._pairs.get((a, b) if a < b else (b, a))
         return 0 if pair is None else pair.positive + pair.other
@@ -851,7 +855,7 @@ class Context:
         nexts = self.next_taps(front.tap)
         if nexts and back.tap not in nexts:
             return False
-        slack = SHARED_CLOCK_SLACK if self.one_clock(front.tap, back.tap) else JOIN_SLACK
+        slack = self.slack(front.tap, back.tap)
         return front.opened - slack <= back.opened and (
             front.closed is None or back.opened <= front.closed + slack
         )
@@ -2184,12 +2188,12 @@ def _injected_by_the_tap(ctx: Context, findings: list[dict[str, Any]]) -> list[d
             for r in seen.values():
                 faults_of[r.id] |= keys
     later = _through_the_connection(ctx, records, set(faults_of))
-    linked = {r.id for found in later.values() for r, _, _ in found}
+    linked = {hit.row.id for found in later.values() for hit in found}
     for key, found in _by_head(ctx, records, set(faults_of) | linked, groups).items():
         later[key] = later.get(key, []) + found
     for key, found in later.items():
-        for r, _, _ in found:
-            faults_of[r.id].add(key)
+        for hit in found:
+            faults_of[hit.row.id].add(key)
     kept: list[dict[str, Any]] = []
     read_as: dict[tuple[str, str], set[str]] = defaultdict(set)
     for f in findings:
@@ -2205,17 +2209,26 @@ def _injected_by_the_tap(ctx: Context, findings: list[dict[str, Any]]) -> list[d
     ]
 
 
+class _Found(NamedTuple):
+    """A request at a tap in front that a fault of the tap behind acted on, found without
+    a request join: ``there`` is what it is at the faulting tap (its connection, or for
+    ``by_head`` its request), ``how`` how it was found."""
+
+    row: RequestRow
+    there: str
+    how: Literal["after_close", "same_position", "by_head"]
+
+
 def _through_the_connection(
     ctx: Context, records: dict[tuple[str, str], list[dict[str, Any]]], covered: set[str]
-) -> dict[tuple[str, str], list[tuple[RequestRow, str, bool]]]:
+) -> dict[tuple[str, str], list[_Found]]:
     """Requests at a tap in front that a fault of the tap behind acted on, found through
     the connection the two taps share (``Context.conns_in_front``) where no request join
     found them: a request written after the faulting tap had closed the connection
     (``close-idle-after``) never reached it, and one it stopped reading (``half-open``)
     reached it without the body a join goes by. The request in front is the one at the
     same position on the connection (a tap relays a connection's requests in order), or
-    for a close, any after it. By fault: each with the connection behind and whether it
-    came after a close."""
+    for a close, any after it. By fault."""
     acts: dict[tuple[str, int], list[tuple[tuple[str, str], int, float, bool]]] = defaultdict(list)
     for key, recs in records.items():
         for rec in recs:
@@ -2227,17 +2240,20 @@ def _through_the_connection(
         return {}
     ids = {f"{tap}/{conn}": (tap, conn) for tap, conn in acts}
     fronts = {(f.tap, f.conn): back for back, f in ctx.conns_in_front(set(acts)).items()}
-    found: dict[tuple[str, str], list[tuple[RequestRow, str, bool]]] = defaultdict(list)
+    found: dict[tuple[str, str], list[_Found]] = defaultdict(list)
     for r in ctx.interesting:
         back = fronts.get((r.tap, r.conn))
         if back is None or r.id in covered or not r.method:
             continue
         for key, seq, t, closing in acts[ids[back]]:
-            slack = SHARED_CLOCK_SLACK if ctx.one_clock(r.tap, key[0]) else JOIN_SLACK
+            slack = ctx.slack(r.tap, key[0])
             after = r.seq > seq and r.start >= t - slack
             same = r.seq == seq and r.start <= t + slack
-            if after if closing else same:
-                found[key].append((r, back, closing))
+            if closing and after:
+                found[key].append(_Found(r, back, "after_close"))
+                break
+            if not closing and same:
+                found[key].append(_Found(r, back, "same_position"))
                 break
     return found
 
@@ -2247,7 +2263,7 @@ def _by_head(
     records: dict[tuple[str, str], list[dict[str, Any]]],
     covered: set[str],
     groups: list[dict[str, RequestRow]],
-) -> dict[tuple[str, str], list[tuple[RequestRow, str, bool]]]:
+) -> dict[tuple[str, str], list[_Found]]:
     """The copies at taps in front of a request the faulting tap read only the head of
     (``half-open``), where a hop between the taps leaves no shared connection: no body to
     join them by, so the latest unjoined request with the same method and target that a
@@ -2260,7 +2276,7 @@ def _by_head(
         if r.id not in covered and r.id not in joined:
             by_head[(r.method, r.target)].append(r)
     taken: set[str] = set()
-    found: dict[tuple[str, str], list[tuple[RequestRow, str, bool]]] = defaultdict(list)
+    found: dict[tuple[str, str], list[_Found]] = defaultdict(list)
     for key, recs in records.items():
         for rec in recs:
             back = rows.get(f"{key[0]}/{rec.get('conn')}/{rec.get('seq')}")
@@ -2268,7 +2284,7 @@ def _by_head(
                 continue
             fronts: dict[str, RequestRow] = {}
             for r in by_head.get((back.method, back.target), []):
-                slack = SHARED_CLOCK_SLACK if ctx.one_clock(r.tap, back.tap) else JOIN_SLACK
+                slack = ctx.slack(r.tap, back.tap)
                 if (
                     rank.get(r.tap, 0) < rank.get(back.tap, 0)
                     and r.id not in taken
@@ -2277,7 +2293,7 @@ def _by_head(
                 ):
                     fronts[r.tap] = r
             taken.update(r.id for r in fronts.values())
-            found[key] += [(r, back.id, False) for r in fronts.values()]
+            found[key] += [_Found(r, back.id, "by_head") for r in fronts.values()]
     return found
 
 
@@ -2286,12 +2302,12 @@ def _injected_note(
     records: list[dict[str, Any]],
     rows: dict[str, RequestRow],
     read_as: set[str],
-    later: list[tuple[RequestRow, str, bool]],
+    later: list[_Found],
 ) -> dict[str, Any]:
     tap, spec = key
     ids = sorted(
         {f"{tap}/{r['conn']}/{r['seq']}" for r in records if isinstance(r.get("seq"), int)}
-        | {r.id for r, _, _ in later},
+        | {hit.row.id for hit in later},
         key=lambda rid: (
             rid.split("/")[0],
             *(int(x) if x.isdigit() else 0 for x in rid.split("/")[-2:]),
@@ -2309,16 +2325,16 @@ def _injected_note(
         evidence.append(line)
     if len(records) > MAX_QUOTED:
         evidence.append(f"... and {len(records) - MAX_QUOTED} more injection(s)")
-    for r, conn, closed in later[:MAX_QUOTED]:
-        if closed:
-            how = f"written at tap {r.tap} after tap {tap} had closed the connection"
-        elif conn.count("/") == 1:  # the connection
-            how = f"the same request at tap {r.tap}, request {r.seq} on both"
-        else:  # the request, matched by its head
-            how = f"the same request at tap {r.tap} as {conn}, matched by its head"
-        link = f" ({r.tap}/{r.conn} is {conn}, one TCP connection)" if conn.count("/") == 1 else ""
+    for r, there, found in later[:MAX_QUOTED]:
+        link = f" ({r.tap}/{r.conn} is {there}, one TCP connection)"
+        how = {
+            "after_close": f"written at tap {r.tap} after tap {tap} had closed the connection"
+            + link,
+            "same_position": f"the same request at tap {r.tap}, request {r.seq} on both" + link,
+            "by_head": f"the same request at tap {r.tap} as {there}, matched by its head",
+        }[found]
         evidence.append(
-            f"{_ts(r.start)} {r.id} {r.method} {r.target}: {how}{link}; the client got "
+            f"{_ts(r.start)} {r.id} {r.method} {r.target}: {how}; the client got "
             f"{_outcome_quote(r)}"
         )
     if len(later) > MAX_QUOTED:
