@@ -41,6 +41,7 @@ def load_metrics(res: LoadResult) -> dict[str, Any]:
         "loadgen_util": _div(cpu.get("loadgen", 0.0), w),
         "others_util": _div(cpu.get("others", 0.0), w),
         "foreign_util": _div(cpu.get("foreign", 0.0), w),
+        "helpers_util": _div(cpu.get("helpers", 0.0), w),
     }
     m["rig_util"] = (m["upstream_util"] or 0.0) + (m["loadgen_util"] or 0.0)
     if res.mode == "plain":
@@ -49,6 +50,7 @@ def load_metrics(res: LoadResult) -> dict[str, Any]:
             lat_p50=pct(res.latency, 50),
             lat_p99=pct(res.latency, 99),
             cpu_per_req=_div(cpu.get("proxy"), res.completed),
+            helpers_per_req=_div(cpu.get("helpers"), res.completed),
             requests=res.completed,
         )
     else:
@@ -65,6 +67,7 @@ def load_metrics(res: LoadResult) -> dict[str, Any]:
             zero_gap=_div(zero, len(res.gaps)),
             cpu_per_stream=_div(cpu.get("proxy"), streams),
             cpu_per_event=_div(cpu.get("proxy"), res.events),
+            helpers_per_event=_div(cpu.get("helpers"), res.events),
             events=res.events,
             streams_timed=len(res.ttfe),
             bad_event_counts=res.bad_events,
@@ -90,6 +93,7 @@ def wrk_metrics(res: dict[str, Any]) -> dict[str, Any]:
         "loadgen_util": _div(cpu.get("loadgen", 0.0), w),
         "others_util": _div(cpu.get("others", 0.0), w),
         "foreign_util": _div(cpu.get("foreign", 0.0), w),
+        "helpers_util": _div(cpu.get("helpers", 0.0), w),
     }
     m["rig_util"] = (m["upstream_util"] or 0.0) + (m["loadgen_util"] or 0.0)
     return m

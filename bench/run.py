@@ -29,7 +29,7 @@ from typing import Any
 
 from . import peers, profile
 from .loadgen import IdleConns, Probe, run_load, run_wrk, self_cpu
-from .procs import Proc, foreign_cpu, free_port, spawn, wait_port
+from .procs import Proc, children, cpu_seconds, foreign_cpu, free_port, spawn, wait_port
 from .report import (
     EVENTS_PER_STREAM,
     aggregate,
@@ -133,6 +133,14 @@ def _children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def _helpers_cpu(target: peers.Target) -> float:
+    """CPU of the proxy's child processes that are not counted as the proxy itself: the
+    trace addon's capture process (nginx's workers are the proxy: ``extra_children``)."""
+    if target.proc is None or target.proc.extra_children:
+        return 0.0
+    return sum(cpu_seconds(pid) for pid in children(target.proc.pid))
+
+
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -149,6 +157,7 @@ async def _measure(
         "loadgen": self_cpu,
         "others": lambda: sum(p.cpu() for p in others),  # idle proxies: must stay ~0
         "foreign": lambda: foreign_cpu(ours),  # everything else on the VM: should be ~0
+        "helpers": lambda: _helpers_cpu(target),
     }
     if mode == "wrk":
         probes["loadgen"] = _children_cpu  # wrk's own CPU, counted when it exits

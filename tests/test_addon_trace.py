@@ -10,7 +10,6 @@ are dropped.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import importlib.util
@@ -39,9 +38,11 @@ from mitmproxy.io import FlowReader
 from mitmproxy.net.http.http1 import connection_close
 
 from tracer import events as ev
+from tracer import mitm
 from tracer.capture import read_events, read_records
+from tracer.mitm import ContentShape, SseObserver, _client_closes
 from tracer.sim.harness import HarnessConfig, run_harness
-from tracer.sse import SseSplitter
+from tracer.sse import SseSplitter, classify
 
 from .conftest import analyze_json, recv_all, recv_until, running_tap, wait_closed, wait_until
 from .test_sim_engine import chat_request, engine_running
@@ -71,8 +72,11 @@ trace = _load_addon()
 
 @contextlib.contextmanager
 def addon_ctx(tmp_path: Path, **options: Any) -> Iterator[tuple[Any, Path]]:
+    """The addon with a capture, its engine in this process (``tracer_sidecar=False``)
+    unless the test asks for the capture process."""
     addon = trace.TraceAddon()
     path = tmp_path / f"cap-{time.monotonic_ns()}.jsonl"
+    options.setdefault("tracer_sidecar", False)
     with taddons.context(addon) as tctx:
         tctx.configure(addon, tracer_capture=str(path), **options)
         try:
@@ -231,43 +235,32 @@ def _described(found: list[Any]) -> list[tuple[Any, ...]]:
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_the_sse_shortcut_gives_what_the_splitter_gives(seed: int, tmp_path: Path) -> None:
-    """Pieces through the stream callable, in batches of any size: a piece the batch
-    takes for a plain content chunk is one to the splitter; for the others it gives
-    what the splitter says."""
+def test_the_sse_shortcut_gives_what_the_splitter_gives(seed: int) -> None:
+    """Pieces in batches of any size: a piece the batch takes for a plain content chunk
+    is one to the splitter; for the others it gives what the splitter says."""
     rng = random.Random(seed)
-    with addon_ctx(tmp_path) as (addon, _):
-        client = a_flow().client_conn  # one ContentShape per connection: it outlives a response
-        for _ in range(3):
-            flow = a_flow(client)
-            start(addon, flow)
-            flow.response = sse_response()
-            addon.responseheaders(flow)
-            stream, st = flow.response.stream, addon._flows[flow.id]
-            pieces = _pieces(_corpus(rng), rng)
-            reference = SseSplitter()
-            expected, pending = [], []
-            for piece in pieces:
-                expected.append(_described(reference.feed(piece)))
-                pending.append(reference.pending)
-            at = 0
-            while at < len(pieces):
-                batch = pieces[at : at + rng.choice([1, 2, 3, 5, 8, 20, 60])]
-                for piece in batch:
-                    assert stream(piece) == piece
-                assert st.pieces == batch
-                specials = dict(st.sse.batch(st.pieces))
-                for i, piece in enumerate(batch):
-                    if i in specials:
-                        assert _described(specials[i]) == expected[at + i], piece
-                    else:
-                        plain = [(len(piece), "content", True, None, None, None)]
-                        assert expected[at + i] == plain, piece
-                at += len(batch)
-                assert st.sse.splitter.pending == pending[at - 1]
-                st.times.clear(), st.sizes.clear(), st.pieces.clear()
-            addon.response(flow)
-        assert st.sse.shape.prefix  # the shortcut was taken
+    shape = ContentShape()  # one per connection: it outlives a response
+    for _ in range(3):
+        observer = SseObserver(shape)
+        pieces = _pieces(_corpus(rng), rng)
+        reference = SseSplitter()
+        expected, pending = [], []
+        for piece in pieces:
+            expected.append(_described(reference.feed(piece)))
+            pending.append(reference.pending)
+        at = 0
+        while at < len(pieces):
+            batch = pieces[at : at + rng.choice([1, 2, 3, 5, 8, 20, 60])]
+            specials = dict(observer.batch(batch))
+            for i, piece in enumerate(batch):
+                if i in specials:
+                    assert _described(specials[i]) == expected[at + i], piece
+                else:
+                    plain = [(len(piece), "content", True, None, None, None)]
+                    assert expected[at + i] == plain, piece
+            at += len(batch)
+            assert observer.splitter.pending == pending[at - 1]
+    assert shape.prefix  # the shortcut was taken
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -275,9 +268,9 @@ def test_a_run_of_pieces_fits_when_each_piece_does(seed: int) -> None:
     """``ContentShape.all_fit`` (counts over the joined run) against ``fits`` piece by
     piece, on runs of usual chunks with one spoiled now and then."""
     rng = random.Random(seed)
-    shape = trace.ContentShape()
+    shape = ContentShape()
     learned = _chunk({"role": None, "content": "x", "tool_calls": None})
-    shape.learn(learned, trace.classify(learned[:-2]))
+    shape.learn(learned, classify(learned[:-2]))
     assert shape.prefix_len
     spoilers = [b'"', b"\r", b"\n", b'","finish_reason":"stop', b"\n\ndata: {", b"\\"]
     for _ in range(200):
@@ -306,7 +299,7 @@ def test_a_run_of_pieces_fits_when_each_piece_does(seed: int) -> None:
 def test_who_closes_is_what_mitmproxy_decides(version: str, values: list[bytes]) -> None:
     headers = http.Headers([(b"Connection", v) for v in values])
     expected = connection_close(version, headers)
-    assert trace._client_closes(version, values) is expected
+    assert _client_closes(version, values) is expected
 
 
 def test_options_are_validated(tmp_path: Path) -> None:
@@ -411,7 +404,7 @@ def test_a_streamed_request_body_is_kept_or_hashed(
 ) -> None:
     """A kept body goes into the record and its hash and fields are left to the reader; one
     not kept is hashed as it goes by, the pieces before the bound included."""
-    monkeypatch.setattr(trace, "MAX_BODY_KEEP", keep)
+    monkeypatch.setattr(mitm, "MAX_BODY_KEEP", keep)
     with addon_ctx(tmp_path, tracer_bodies=bodies) as (addon, path):
         flow = a_flow()
         body = flow.request.raw_content or b""
@@ -474,7 +467,8 @@ def test_the_observers_are_let_go_when_the_exchange_ends(tmp_path: Path) -> None
         stream(b"")
         addon.response(flow)
         assert flow.request.stream is other and flow.response.stream is True
-        assert flow.id not in addon._flows and not addon._conns[flow.client_conn.id].pending
+        assert flow.id not in addon._flows and not addon._clients[flow.client_conn.id].flows
+        assert not addon.engine._conns[flow.client_conn.id].pending
     assert [r["termination"] for r in records(path, "response_end")] == ["complete"]
 
 
@@ -590,78 +584,168 @@ def streaming_sse(addon: Any) -> tuple[http.HTTPFlow, Callable[[bytes], Any], An
 
 
 @pytest.mark.anyio
-async def test_a_due_batch_is_written_after_the_piece_that_made_it_due(tmp_path: Path) -> None:
-    """In mitmproxy's loop the piece that makes a batch due goes on first; the batch, as
-    it was before that piece, is written in the loop's next round."""
+async def test_pieces_reach_the_engine_after_they_went_on(tmp_path: Path) -> None:
+    """In mitmproxy's loop a piece goes on at once; the engine gets it with the next
+    ship (``SHIP_INTERVAL``), or in the loop's next round once a flow holds a batch's
+    worth; the engine's body records are batched as the tap's."""
     with addon_ctx(tmp_path) as (addon, path):
-        flow, stream, st = streaming_sse(addon)
+        flow, stream, state = streaming_sse(addon)
+        engine_flow = addon.engine._flows[flow.id]
+        assert stream(SSE_CHUNKS[1]) == SSE_CHUNKS[1]
+        assert state.pieces == [SSE_CHUNKS[1]] and not engine_flow.times  # not yet
+        await wait_until_async(lambda: not state.pieces, 5)  # the ship, 5 ms later
+        assert len(engine_flow.times) == 1
         full = trace.BODY_BATCH_READS
         for _ in range(full):
-            stream(SSE_CHUNKS[1])
-        assert st.due is None and len(st.times) == full
-        assert stream(SSE_CHUNKS[2]) == SSE_CHUNKS[2]  # due now: handed back, not written
-        assert st.due == full and len(st.times) == full + 1
-        await anyio.lowlevel.checkpoint()  # one round of the loop: the scheduled write runs
-        assert st.due is None and st.pieces == [SSE_CHUNKS[2]] and len(st.sizes) == 1
+            assert stream(SSE_CHUNKS[2]) == SSE_CHUNKS[2]
+        assert len(state.pieces) == full  # handed on in the loop's next round, not here
+        await anyio.lowlevel.checkpoint()
+        assert not state.pieces and len(engine_flow.times) == 1  # the first batch written
         stream(SSE_CHUNKS[4])
         stream(b"")
         addon.response(flow)
     bodies = records(path, "body")
     assert [len(b["reads"]) for b in bodies] == [full, 2]
-    assert [len(b["sse"]) for b in bodies] == [full, 2]
     assert bodies[1]["sse"][0][1:] == [len(SSE_CHUNKS[2]), "content"]
     end = records(path, "response_end")[0]
     assert (end["events"], end["done"], end["body_bytes"]) == (
         full + 2,
         True,
-        full * len(SSE_CHUNKS[1]) + len(SSE_CHUNKS[2]) + len(SSE_CHUNKS[4]),
+        len(SSE_CHUNKS[1]) + full * len(SSE_CHUNKS[2]) + len(SSE_CHUNKS[4]),
     )
 
 
-def test_a_due_batch_is_written_at_once_when_its_loop_is_gone(tmp_path: Path) -> None:
-    """The stream callable must never raise: with the loop it was made in closed, a due
-    batch is written at once and the piece still goes on."""
+async def wait_until_async(check: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await anyio.sleep(0.001)
+
+
+def test_pieces_reach_the_engine_at_once_when_there_is_no_loop(tmp_path: Path) -> None:
+    """The stream callable must never raise: with no loop to ship in, the pieces are
+    handed on at once and still go on."""
     with addon_ctx(tmp_path) as (addon, path):
-        loop = asyncio.new_event_loop()
-
-        async def answered() -> tuple[http.HTTPFlow, Callable[[bytes], Any], Any]:
-            return streaming_sse(addon)
-
-        flow, stream, st = loop.run_until_complete(answered())
-        loop.close()
+        flow, stream, state = streaming_sse(addon)
         for _ in range(trace.BODY_BATCH_READS):
-            stream(SSE_CHUNKS[1])
+            assert stream(SSE_CHUNKS[1]) == SSE_CHUNKS[1]
         assert stream(SSE_CHUNKS[2]) == SSE_CHUNKS[2]
-        assert st.due is None and st.pieces == [SSE_CHUNKS[2]]
+        assert not state.pieces and addon.engine._flows[flow.id].times  # the engine has them
         stream(b"")
         addon.response(flow)
     assert [len(b["reads"]) for b in records(path, "body")] == [trace.BODY_BATCH_READS, 1]
 
 
 @pytest.mark.anyio
-async def test_big_pieces_make_a_batch_due_before_it_holds_a_mebibyte(tmp_path: Path) -> None:
-    """SSE pieces are kept until their batch is written: big ones (an event of 64 KiB)
-    must not pile up to 256 of them."""
+async def test_big_pieces_are_kept_for_a_round_of_the_loop_at_most(tmp_path: Path) -> None:
+    """SSE pieces are kept until they are handed on, and the engine keeps them until their
+    batch is written: big ones (an event of 64 KiB) must pile up in neither."""
     event = b'data: {"choices":[{"delta":{"content":"' + b"x" * 65500 + b'"}}]}\n\n'
     per_batch = trace.MAX_KEPT_BYTES // len(event)
     with addon_ctx(tmp_path) as (addon, path):
-        flow, stream, st = streaming_sse(addon)
-        for _ in range(per_batch):
+        flow, stream, state = streaming_sse(addon)
+        engine_flow = addon.engine._flows[flow.id]
+        for _ in range(2 * per_batch + 4):
             stream(event)
-        assert st.due is None
-        stream(event)
-        assert st.due == per_batch
-        await anyio.lowlevel.checkpoint()  # one round of the loop: the batch is written
-        assert len(st.pieces) == 1
-        for _ in range(per_batch + 3):
-            stream(event)
+            assert len(state.pieces) == 1  # handed on in the loop's next round
             await anyio.lowlevel.checkpoint()
-            assert sum(map(len, st.pieces)) <= trace.MAX_KEPT_BYTES
+            assert not state.pieces
+            assert engine_flow.kept <= trace.MAX_KEPT_BYTES
         stream(b"")
         addon.response(flow)
     bodies = records(path, "body")
     assert [len(b["reads"]) for b in bodies] == [per_batch, per_batch, 4]
     assert records(path, "response_end")[0]["events"] == 2 * per_batch + 4
+
+
+def _scripted(addon: Any) -> None:
+    """One connection: an SSE exchange, a silent one that stalls, then the client goes."""
+    flow, stream, _ = streaming_sse(addon)
+    for chunk in SSE_CHUNKS:
+        stream(chunk)
+    stream(b"")
+    addon.response(flow)
+    slow = a_flow(client=flow.client_conn)
+    start(addon, slow)
+    slow.response = sse_response()
+    addon.responseheaders(slow)
+    slow.response.stream(SSE_CHUNKS[0])
+    addon.tick(time.monotonic() + 1.0)
+    addon.client_disconnected(flow.client_conn)
+
+
+def _untimed_records(path: Path) -> list[Any]:
+    """The records but their times, at any depth (and the header, which names the mode)."""
+
+    def untimed(value: Any) -> Any:
+        if isinstance(value, float):
+            return "time"
+        if isinstance(value, list):
+            return [untimed(v) for v in value]
+        if isinstance(value, dict):
+            return {k: untimed(v) for k, v in value.items()}
+        return value
+
+    return [untimed(r) for r in read_records(path) if r["type"] != "capture_start"]
+
+
+def test_the_capture_process_writes_what_the_engine_in_process_writes(tmp_path: Path) -> None:
+    with addon_ctx(tmp_path, tracer_stall_after="0.5") as (addon, inline):
+        assert addon.engine is not None and addon.process is None
+        _scripted(addon)
+    with addon_ctx(tmp_path, tracer_stall_after="0.5", tracer_sidecar=True) as (addon, apart):
+        assert addon.engine is None and addon.process is not None
+        _scripted(addon)
+    assert addon.process is None  # done() waited for it
+    assert _untimed_records(apart) == _untimed_records(inline)
+    kinds = [r["type"] for r in _untimed_records(apart)]
+    assert kinds.count("body") == 2 and kinds.count("stall") == 2 and kinds[-1] == "capture_end"
+    assert next(read_records(apart))["options"]["capture_process"] is True
+
+
+def test_a_capture_process_that_falls_behind_costs_facts_not_traffic(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pipe is never waited for: with the capture process stopped, the pieces still go
+    on at once, the backlog stays under its bound, and what did not fit is counted in a
+    ``capture_loss`` record once the process reads again."""
+    monkeypatch.setattr(trace, "MAX_BACKLOG", 256 << 10)
+    event = b'data: {"choices":[{"delta":{"content":"' + b"x" * 65500 + b'"}}]}\n\n'
+    with addon_ctx(tmp_path, tracer_sidecar=True) as (addon, path):
+        process = addon.process
+        flow, stream, _ = streaming_sse(addon)
+        os.kill(process.proc.pid, signal.SIGSTOP)
+        try:
+            for _ in range(40):  # 2.6 MB: more than the pipe (at most 1 MiB) and the bound
+                assert stream(event) == event
+            assert process.lost_facts > 0 and len(process.backlog) <= trace.MAX_BACKLOG
+        finally:
+            os.kill(process.proc.pid, signal.SIGCONT)
+        stream(SSE_CHUNKS[4])
+        stream(b"")
+        addon.response(flow)
+    (loss,) = records(path, "capture_loss")
+    assert loss["dropped"] > 0 and "fell behind" in loss["reason"]
+    end = records(path, "response_end")[0]
+    assert end["termination"] == "complete" and end["done"] is True
+    assert records(path)[-1]["type"] == "capture_end"
+
+
+def test_a_capture_process_that_dies_stops_tracing_not_traffic(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with addon_ctx(tmp_path, tracer_sidecar=True) as (addon, path):
+        process = addon.process
+        flow, stream, _ = streaming_sse(addon)
+        process.proc.kill()
+        process.proc.wait(5)
+        for chunk in SSE_CHUNKS:
+            assert stream(chunk) == chunk
+        stream(b"")
+        addon.response(flow)
+        assert process.gone
+    assert "the capture process is gone" in caplog.text
+    assert "capture_end" not in [r["type"] for r in records(path)]  # it was killed
 
 
 def records_now(addon: Any, path: Path, kind: str) -> list[dict[str, Any]]:
@@ -685,10 +769,10 @@ def free_port() -> int:
 
 @asynccontextmanager
 async def mitmdump(
-    upstream: str | None, tmp_path: Path, *options: str
+    upstream: str | None, tmp_path: Path, *options: str, stop: int = signal.SIGTERM
 ) -> AsyncIterator[tuple[str, Path]]:
     """``mitmdump -s addons/trace.py --mode reverse:UPSTREAM`` (None: mitmproxy's regular
-    mode, a forward proxy); yields its URL and capture."""
+    mode, a forward proxy); yields its URL and capture, and ends it with ``stop``."""
     port = free_port()
     capture = tmp_path / "mitm.jsonl"
     log_path = tmp_path / "mitmdump.log"
@@ -717,11 +801,11 @@ async def mitmdump(
                 assert proc.poll() is None, log_path.read_text()
                 await anyio.sleep(0.05)
         yield f"http://127.0.0.1:{port}", capture
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(stop)
         with anyio.fail_after(10):
             while proc.poll() is None:
                 await anyio.sleep(0.02)
-        assert proc.returncode == 0, log_path.read_text()
+        assert proc.returncode == (0 if stop == signal.SIGTERM else -stop), log_path.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -871,6 +955,26 @@ async def test_parity_with_the_native_tap(tmp_path: Path) -> None:
     assert header["options"]["stall_after"] == 0.5
     assert _count(mitm_capture, "capture_end") == 1
     assert os.path.getsize(mitm_capture) > 0
+
+
+@pytest.mark.anyio
+async def test_a_killed_mitmdump_still_leaves_a_whole_capture(tmp_path: Path) -> None:
+    """mitmproxy killed (SIGKILL: no ``done`` hook): its capture process reads the end
+    of the pipe, ends what was open ``in_flight`` and writes ``capture_end``."""
+    async with engine_running(ttft=0.01, itl=0.05) as engine:
+        async with mitmdump(engine.url, tmp_path, stop=signal.SIGKILL) as (url, capture):
+            client = await anyio.connect_tcp("127.0.0.1", int(url.rsplit(":", 1)[1]))
+            await client.send(chat_request(200, headers={"x-request-id": "open"}))
+            await recv_until(client, lambda b: b.count(b'"content":"tok') >= 2, timeout=10)
+            await wait_until(lambda: _count(capture, "body") >= 1, 10)
+        try:
+            await wait_until(lambda: _count(capture, "capture_end") == 1, 10)
+        finally:
+            await client.aclose()
+    (end,) = [r for r in read_records(capture) if r["type"] == "response_end"]
+    assert end["termination"] == "in_flight" and end["events"] >= 2
+    last = list(read_records(capture))[-1]
+    assert last["type"] == "capture_end" and last["reason"] == "mitmproxy went away"
 
 
 @pytest.mark.anyio
