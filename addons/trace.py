@@ -235,7 +235,10 @@ class _CaptureProcess:
             lost = ("lost", time.monotonic(), self.lost_facts, self.lost_bytes)
             facts = [lost, *facts]
             self.lost_facts = self.lost_bytes = 0
-        data = frame(facts)
+        try:
+            data = frame(facts)
+        except ValueError:  # a value marshal cannot take (mitmproxy gave something odd)
+            data = self._frame_what_can_go(facts)
         if not last and len(self.backlog) + len(data) > MAX_BACKLOG:
             self.lost_facts += len(facts)
             self.lost_bytes += len(data)
@@ -243,6 +246,19 @@ class _CaptureProcess:
         self.backlog += data
         if not last:
             self._write()
+
+    def _frame_what_can_go(self, facts: list[Fact]) -> bytes:
+        """The batch without the facts that cannot be sent, each logged and counted."""
+        good: list[Fact] = []
+        for fact in facts:
+            try:
+                frame([fact])
+            except ValueError:
+                self.lost_facts += 1
+                log.error("tracer: a %s fact could not be sent: %r", fact[0], fact)
+            else:
+                good.append(fact)
+        return frame(good)
 
     def _write(self) -> None:
         """Write what the pipe takes now; wait for it to take more in mitmproxy's loop."""
@@ -573,7 +589,7 @@ class TraceAddon:
         for flow in delivered:
             self._forget(flow)
         if self.process is not None:
-            self._ship()
+            self._schedule(0)
 
     # ---- connections ------------------------------------------------------------------
 

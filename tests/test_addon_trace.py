@@ -731,6 +731,30 @@ def test_a_capture_process_that_falls_behind_costs_facts_not_traffic(
     assert records(path)[-1]["type"] == "capture_end"
 
 
+def test_a_fact_that_cannot_be_sent_is_counted_and_the_rest_go(tmp_path: Path) -> None:
+    """A value ``marshal`` refuses (not one mitmproxy gives today) costs that fact only."""
+    with addon_ctx(tmp_path, tracer_sidecar=True) as (addon, path):
+        flow = a_flow()
+        flow.client_conn.peername = ("127.0.0.1", object())  # type: ignore[assignment]
+        addon.client_connected(flow.client_conn)
+        addon.requestheaders(flow)
+        addon.request(flow)
+        assert addon.process.lost_facts == 0  # reported with the next batch
+        addon.record_fault_plan(["drop-request"], "replace")
+    (loss,) = records(path, "capture_loss")
+    assert loss["dropped"] == 1
+    assert [r["type"] for r in records(path)][1:] == [
+        "capture_loss",
+        "conn_open",  # made up from the request's fact: its connection's was the one lost
+        "request",
+        "request_end",
+        "fault_plan",
+        "response_end",
+        "conn_close",
+        "capture_end",
+    ]
+
+
 def test_a_capture_process_that_dies_stops_tracing_not_traffic(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -746,6 +770,62 @@ def test_a_capture_process_that_dies_stops_tracing_not_traffic(
         assert process.gone
     assert "the capture process is gone" in caplog.text
     assert "capture_end" not in [r["type"] for r in records(path)]  # it was killed
+
+
+PINNED_PARENT = """\
+import importlib.util, os, sys, time
+os.sched_setaffinity(0, {{{core}}})
+spec = importlib.util.spec_from_file_location("addon", {addon!r})
+addon = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(addon)
+header = dict(t=time.time(), m=time.monotonic(), tracer_version="0", kind="mitmproxy",
+              listen="-", upstream=None, boot_id=None, options={{}})
+process = addon._CaptureProcess({path!r}, addon.Settings(), header)
+print(process.proc.pid, flush=True)
+sys.stdin.readline()
+process.close([("close", time.monotonic(), "test over")])
+"""
+
+
+def _allowed_cores(pid: int) -> set[int]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    line = next(x for x in status.splitlines() if x.startswith("Cpus_allowed_list:"))
+    cores: set[int] = set()
+    for part in line.split(":", 1)[1].strip().split(","):
+        low, _, high = part.partition("-")
+        cores.update(range(int(low), int(high or low) + 1))
+    return cores
+
+
+def test_the_capture_process_keeps_off_the_cores_mitmproxy_is_pinned_to(tmp_path: Path) -> None:
+    cores = os.sched_getaffinity(0)
+    if len(cores) < 2:
+        pytest.skip("one core: nowhere else to go")
+    core = min(cores)
+    capture = tmp_path / "pinned.jsonl"
+    script = PINNED_PARENT.format(core=core, addon=str(ADDON), path=str(capture))
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO
+    )
+    try:
+        assert parent.stdout is not None and parent.stdin is not None
+        child = int(parent.stdout.readline())
+        deadline = time.monotonic() + 10
+        while core in _allowed_cores(child):
+            assert time.monotonic() < deadline, _allowed_cores(child)
+            time.sleep(0.01)
+        assert _allowed_cores(child) and core not in _allowed_cores(child)
+        parent.stdin.write(b"\n")
+        parent.stdin.close()
+        assert parent.wait(20) == 0
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(5)
+        for pipe in (parent.stdin, parent.stdout):
+            if pipe is not None and not pipe.closed:
+                pipe.close()
+    assert [r["type"] for r in records(capture)] == ["capture_start", "capture_end"]
 
 
 def records_now(addon: Any, path: Path, kind: str) -> list[dict[str, Any]]:

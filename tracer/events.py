@@ -143,7 +143,7 @@ class CaptureStart(Event):
 @_register
 @dataclass(slots=True, kw_only=True)
 class CaptureEnd(Event):
-    """Last record of a capture closed cleanly (absent after kill -9)."""
+    """Last record of a capture closed cleanly (absent after kill -9 of its writer)."""
 
     TYPE: ClassVar[str] = "capture_end"
     records: int
