@@ -92,6 +92,7 @@ import struct
 import subprocess
 import sys
 import termios
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
@@ -297,12 +298,22 @@ class _CaptureProcess:
             code,
         )
 
-    def close(self, facts: list[Fact]) -> None:
-        """Send the last facts, let the process write them all, and wait for it."""
+    def close(self, facts: list[Fact], *, wait: bool) -> threading.Thread | None:
+        """Send the last facts, let the process write them all, and wait for it: here
+        (``wait``: mitmproxy is stopping), or in a thread of its own, returned, so that
+        mitmproxy's loop goes on meanwhile (a capture file changed while it runs)."""
         self.send(facts, last=True)
         if self._waiting:
             with contextlib.suppress(RuntimeError):
                 asyncio.get_running_loop().remove_writer(self.fd)
+        if wait:
+            self._finish()
+            return None
+        finishing = threading.Thread(target=self._finish, name="tracer-capture-close")
+        finishing.start()
+        return finishing
+
+    def _finish(self) -> None:
         if not self.gone:
             os.set_blocking(self.fd, True)
             try:
@@ -336,6 +347,7 @@ class TraceAddon:
         self._dirty: list[_Flow] = []  # flows with pieces the engine has not had
         self._ship_handle: asyncio.TimerHandle | asyncio.Handle | None = None
         self._ticker: asyncio.Task[None] | None = None
+        self._closing: list[threading.Thread] = []  # earlier captures' processes finishing
 
     # ---- options ----------------------------------------------------------------------
 
@@ -392,7 +404,7 @@ class TraceAddon:
         if "tracer_sidecar" in updated:
             self.sidecar = bool(opts.tracer_sidecar)
         if "tracer_capture" in updated:
-            self._close_capture("capture file changed")
+            self._close_capture("capture file changed", wait=False)
             if opts.tracer_capture:
                 self._open_capture(opts.tracer_capture)
 
@@ -414,7 +426,12 @@ class TraceAddon:
         )
         header = self._header(wall)
         if self.sidecar:
-            self.process = _CaptureProcess(str(full), settings, header)
+            try:
+                self.process = _CaptureProcess(str(full), settings, header)
+            except OSError as exc:
+                raise _options_error(
+                    f"tracer_capture: cannot start the capture process: {exc.strerror or exc}"
+                ) from exc
         else:
             self.engine = open_engine(str(full), settings, header)
         self._on = True
@@ -453,7 +470,7 @@ class TraceAddon:
             },
         }
 
-    def _close_capture(self, reason: str) -> None:
+    def _close_capture(self, reason: str, *, wait: bool = True) -> None:
         """Settle what is open (in flight, closed by the tap) and end the capture."""
         if not self._on:
             return
@@ -467,7 +484,10 @@ class TraceAddon:
         engine, self.engine = self.engine, None
         facts, self._facts = self._facts, []
         if process is not None:
-            process.close([*facts, close])
+            finishing = process.close([*facts, close], wait=wait)
+            self._closing = [t for t in self._closing if t.is_alive()]
+            if finishing is not None:
+                self._closing.append(finishing)
         if engine is not None:
             engine.apply(close)
         for flow in self._flows.values():
@@ -555,6 +575,9 @@ class TraceAddon:
             self._ticker.cancel()
             self._ticker = None
         self._close_capture("mitmproxy stopped")
+        for finishing in self._closing:
+            finishing.join(CLOSE_WAIT)
+        self._closing.clear()
 
     async def _tick_loop(self) -> None:
         while True:

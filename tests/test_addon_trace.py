@@ -703,6 +703,38 @@ def test_the_capture_process_writes_what_the_engine_in_process_writes(tmp_path: 
     assert next(read_records(apart))["options"]["capture_process"] is True
 
 
+def test_a_capture_file_changed_while_mitmproxy_runs(tmp_path: Path) -> None:
+    """``tracer_capture`` set anew (mitmproxy's ``set`` command): the first capture ends
+    with what was open settled, its process finishing beside the loop; the next capture
+    gets what comes after."""
+    addon = trace.TraceAddon()
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, tracer_capture=str(first))
+        one = a_flow()
+        start(addon, one)
+        tctx.configure(addon, tracer_capture=str(second))
+        assert len(addon._closing) == 1
+        two = a_flow()
+        start(addon, two)
+        addon.done()
+        assert not addon._closing
+    kinds = [r["type"] for r in records(first)]
+    assert kinds == [
+        "capture_start",
+        "conn_open",
+        "request",
+        "request_end",
+        "response_end",
+        "conn_close",
+        "capture_end",
+    ]
+    assert records(first, "capture_end")[0]["reason"] == "capture file changed"
+    assert records(first, "response_end")[0]["termination"] == "in_flight"
+    assert [r["type"] for r in records(second)] == kinds  # the second request only
+    assert records(second, "capture_end")[0]["reason"] == "mitmproxy stopped"
+
+
 def test_a_capture_process_that_falls_behind_costs_facts_not_traffic(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -783,7 +815,7 @@ header = dict(t=time.time(), m=time.monotonic(), tracer_version="0", kind="mitmp
 process = addon._CaptureProcess({path!r}, addon.Settings(), header)
 print(process.proc.pid, flush=True)
 sys.stdin.readline()
-process.close([("close", time.monotonic(), "test over")])
+process.close([("close", time.monotonic(), "test over")], wait=True)
 """
 
 
