@@ -763,6 +763,33 @@ def test_a_capture_process_that_falls_behind_costs_facts_not_traffic(
     assert records(path)[-1]["type"] == "capture_end"
 
 
+@pytest.mark.anyio
+async def test_a_full_pipe_is_written_when_the_loop_says_it_drained(tmp_path: Path) -> None:
+    """In mitmproxy's loop: with the capture process stopped the pipe fills, the rest
+    waits in the backlog, and the loop's writer callback writes it once the process reads
+    again. Nothing is lost under the bound."""
+    event = b'data: {"choices":[{"delta":{"content":"' + b"x" * 65500 + b'"}}]}\n\n'
+    with addon_ctx(tmp_path, tracer_sidecar=True) as (addon, path):
+        process = addon.process
+        flow, stream, _ = streaming_sse(addon)
+        os.kill(process.proc.pid, signal.SIGSTOP)
+        try:
+            for _ in range(48):  # 3.1 MB: three times the pipe
+                assert stream(event) == event
+                await anyio.lowlevel.checkpoint()  # the ship of a big piece
+            assert process.backlog and process._waiting and not process.lost_facts
+        finally:
+            os.kill(process.proc.pid, signal.SIGCONT)
+        await wait_until_async(lambda: not process.backlog, 10)
+        assert not process._waiting
+        stream(SSE_CHUNKS[4])
+        stream(b"")
+        addon.response(flow)
+    assert not records(path, "capture_loss")
+    end = records(path, "response_end")[0]
+    assert end["events"] == 49 and end["done"] is True and end["termination"] == "complete"
+
+
 def test_a_fact_that_cannot_be_sent_is_counted_and_the_rest_go(tmp_path: Path) -> None:
     """A value ``marshal`` refuses (not one mitmproxy gives today) costs that fact only."""
     with addon_ctx(tmp_path, tracer_sidecar=True) as (addon, path):
