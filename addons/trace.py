@@ -30,6 +30,7 @@ mitmproxy hook             events
 ``server_connect`` /       ``upstream_connect`` ``start`` / ``done`` / ``failed`` (mitmproxy
 ``server_connected`` /     may open several upstream connections for one client connection:
 ``server_connect_error``   each gives its own records)
+``server_disconnected``    ``upstream_close``, when the client connection stays open
 ``requestheaders``         ``request`` (its position ``seq`` on the client connection)
 ``request``                ``request_end`` (size; the body per option, else its hash and
                            OpenAI fields: a reader derives those of a kept body)
@@ -647,6 +648,16 @@ class TraceAddon:
             cid = self._client(data.client).cid
             now = time.monotonic()
             self._put(("upstream", cid, now, "failed", s.address, None, s.timestamp_start, None, s.error))  # fmt: skip
+
+    def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
+        if not self._on:
+            return
+        known = self._clients.get(data.client.id)
+        if known is None or not data.client.connected:  # the client's ends: conn_close
+            return
+        s = data.server
+        now = time.monotonic()
+        self._put(("upstream_closed", known.cid, now, s.timestamp_end, s.address, s.sockname, s.error))  # fmt: skip
 
     def tls_failed_client(self, data: tls.TlsData) -> None:
         self._tls_failed(data, "client")

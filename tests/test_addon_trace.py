@@ -40,6 +40,7 @@ from mitmproxy.net.http.http1 import connection_close
 from tracer import events as ev
 from tracer import mitm
 from tracer.capture import read_events, read_records
+from tracer.faults import parse_fault
 from tracer.mitm import ContentShape, SseObserver, _client_closes
 from tracer.sim.harness import HarnessConfig, run_harness
 from tracer.sse import SseSplitter, classify
@@ -1114,6 +1115,36 @@ async def test_a_killed_mitmdump_still_leaves_a_whole_capture(tmp_path: Path) ->
     assert end["termination"] == "in_flight" and end["events"] >= 2
     last = list(read_records(capture))[-1]
     assert last["type"] == "capture_end" and last["reason"] == "mitmproxy went away"
+
+
+@pytest.mark.anyio
+async def test_an_upstream_close_under_an_open_client_connection(tmp_path: Path) -> None:
+    """mitmproxy keeps its own upstream connections: when the upstream closes an idle one
+    (here a tap behind it with ``close-idle-after``) the client's stays open, and the
+    next request gets a new upstream connection. The capture says so
+    (``server_disconnected``: ``upstream_close``), and a client that closes its own
+    connection gives no such record."""
+    async with engine_running(ttft=0.005, itl=0.002) as engine:
+        idle = [parse_fault("close-idle-after:0.5")]
+        async with running_tap(engine.bound[1], tmp_path, name="back", faults=idle) as back:
+            async with mitmdump(f"http://127.0.0.1:{back.port}", tmp_path) as (url, capture):
+                port = int(url.rsplit(":", 1)[1])
+                async with await anyio.connect_tcp("127.0.0.1", port) as s:
+                    for n in (1, 2):
+                        await s.send(chat_request(4, headers={"x-request-id": f"turn-{n}"}))
+                        await recv_until(s, lambda b: b"data: [DONE]" in b, 10)
+                        if n == 1:  # the back tap closes mitmproxy's idle upstream
+                            await wait_until(lambda: _count(capture, "upstream_close") >= 1, 10)
+                await wait_until(lambda: _count(capture, "conn_close") >= 1, 10)
+    (closed,) = [r for r in read_records(capture) if r["type"] == "upstream_close"]
+    assert closed["conn"] == 1 and closed["requests"] == 1 and closed["in_flight"] is False
+    assert closed["idle"] >= 0.45 and closed["addr"] == f"127.0.0.1:{back.port}"
+    phases = [r["phase"] for r in read_records(capture) if r["type"] == "upstream_connect"]
+    assert phases == ["start", "done", "start", "done"]  # the second request's own
+    (close,) = [r for r in read_records(capture) if r["type"] == "conn_close"]
+    assert close["closed_by"] == "client" and close["requests"] == 2
+    rows = analyze_json(capture)["requests"]
+    assert [(r["seq"], r["termination"]) for r in rows] == [(1, "complete"), (2, "complete")]
 
 
 @pytest.mark.anyio

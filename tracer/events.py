@@ -187,6 +187,23 @@ class UpstreamConnect(Event):
 
 @_register
 @dataclass(slots=True, kw_only=True)
+class UpstreamClose(Event):
+    """An upstream connection closed while its client connection stayed open: a proxy
+    that keeps its own upstream connections (mitmproxy) opens another for the next
+    request. The native tap never writes it: its upstream's close ends the client's."""
+
+    TYPE: ClassVar[str] = "upstream_close"
+    conn: int
+    addr: str
+    local: str | None = None
+    idle: float  # seconds since the client connection's last activity
+    in_flight: bool  # a request on the client connection had not ended
+    requests: int  # requests on the client connection so far
+    error: str | None = None  # the proxy's words, when it gave any
+
+
+@_register
+@dataclass(slots=True, kw_only=True)
 class ConnClose(Event):
     """End of a connection: who closed first, how, and what was in flight."""
 

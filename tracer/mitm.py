@@ -78,6 +78,7 @@ _UNPARSED = ("HTTP/1 protocol error", "Cannot parse HTTP", "unexpected server re
 FACTS: dict[str, tuple[str, ...]] = {
     "conn": ("cid", "now", "ts", "peer", "local"),
     "upstream": ("cid", "now", "phase", "addr", "local", "ts_start", "ts_setup", "error"),
+    "upstream_closed": ("cid", "now", "ts", "addr", "local", "error"),
     "tls_failed": ("cid", "now", "direction", "error"),
     "client_gone": ("cid", "now"),
     "request": ("fid", "cid", "now", "ts", "method", "path", "version", "fields", "line", "streamed", "h2"),
@@ -432,6 +433,37 @@ class MitmEngine:
                 local=_addr(local) if phase == "done" else None,
                 elapsed=elapsed,
                 error=(error or "connect failed") if phase == "failed" else None,
+            )
+        )
+
+    def _on_upstream_closed(
+        self,
+        cid: str,
+        now: float,
+        ts: float | None,
+        addr: Any,
+        local: Any,
+        error: str | None,
+    ) -> None:
+        """mitmproxy's ``server_disconnected`` while the client connection is open: the
+        upstream (or mitmproxy) closed one of its upstream connections; the next request
+        on the client connection gets a new one."""
+        conn = self._conns.get(cid)
+        if conn is None or conn.cause is not None:  # the client connection is ending
+            return
+        m = min(ts - self._wall, now) if ts else now
+        self._emit(
+            ev.UpstreamClose(
+                t=m + self._wall,
+                m=m,
+                tap=self.tap,
+                conn=conn.conn,
+                addr=_addr(addr),
+                local=_addr(local) if local else None,
+                idle=round(max(0.0, m - conn.last_activity_m), 6),
+                in_flight=bool(conn.pending),
+                requests=conn.seq,
+                error=error or None,
             )
         )
 
