@@ -218,8 +218,10 @@ class _CaptureProcess:
         assert self.proc.stdin is not None
         self.stdin = self.proc.stdin
         self.fd = self.stdin.fileno()
+        set_size = getattr(fcntl, "F_SETPIPE_SZ", None)  # Linux only
         with contextlib.suppress(OSError):  # else the kernel's default size will do
-            fcntl.fcntl(self.fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+            if set_size is not None:
+                fcntl.fcntl(self.fd, set_size, PIPE_SIZE)
         os.set_blocking(self.fd, False)
         self.backlog = bytearray()
         self.lost_facts = self.lost_bytes = 0
@@ -932,7 +934,7 @@ def _client_backlog(client: connection.Client) -> tuple[bool, int | None]:
         try:
             raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
             unsent = int(struct.unpack("i", raw)[0])
-        except (OSError, ValueError):
+        except (OSError, ValueError, AttributeError):  # TIOCOUTQ: Linux only
             unsent = None
     return buffered > 0, unsent
 

@@ -1333,7 +1333,7 @@ def _off_mitmproxys_cores() -> None:
         others = set(range(os.cpu_count() or 1)) - os.sched_getaffinity(os.getppid())
         if others and others != ours:
             os.sched_setaffinity(0, others)
-    except OSError:
+    except (OSError, AttributeError):  # (Linux only)
         pass
 
 
