@@ -126,6 +126,7 @@ from tracer.mitm import (
     open_engine,
 )
 from tracer.sniff import BODY_BATCH_READS
+from tracer.sse import is_event_stream
 
 __all__ = ["BODY_BATCH_READS", "MAX_KEPT_BYTES", "ContentShape", "SseObserver", "TraceAddon"]
 
@@ -137,7 +138,6 @@ SHIP_INTERVAL = 0.005  # facts wait at most this long for the capture process
 MAX_BACKLOG = 64 << 20  # bytes of facts waiting for a slow capture process, at most
 PIPE_SIZE = 1 << 20  # asked of the kernel for the pipe (its default is 64 KiB)
 CLOSE_WAIT = 30.0  # seconds the capture process gets to write what it has, at the end
-SSE_TYPE = b"text/event-stream"
 
 
 class _Client:
@@ -268,13 +268,16 @@ class _CaptureProcess:
         """Write what the pipe takes now; wait for it to take more in mitmproxy's loop."""
         self._waiting = False
         try:
-            while self.backlog:
-                written = os.write(self.fd, self.backlog)
-                del self.backlog[:written]
+            self._write_backlog()
         except BlockingIOError:
             self._wait_writable()
         except OSError as exc:
             self._lost(exc)
+
+    def _write_backlog(self) -> None:
+        while self.backlog:
+            written = os.write(self.fd, self.backlog)
+            del self.backlog[:written]
 
     def _wait_writable(self) -> None:
         if self._waiting:
@@ -320,9 +323,7 @@ class _CaptureProcess:
         if not self.gone:
             os.set_blocking(self.fd, True)
             try:
-                while self.backlog:
-                    written = os.write(self.fd, self.backlog)
-                    del self.backlog[:written]
+                self._write_backlog()
             except OSError as exc:
                 self._lost(exc)
         with contextlib.suppress(OSError):
@@ -343,7 +344,6 @@ class TraceAddon:
         self.sidecar = True
         self.engine: MitmEngine | None = None  # tracer_sidecar=false
         self.process: _CaptureProcess | None = None  # tracer_sidecar=true
-        self._on = False
         self._clients: dict[str, _Client] = {}  # by mitmproxy's client connection id
         self._flows: dict[str, _Flow] = {}  # by flow id
         self._facts: list[Fact] = []  # for the capture process, not sent yet
@@ -437,7 +437,6 @@ class TraceAddon:
                 ) from exc
         else:
             self.engine = open_engine(str(full), settings, header)
-        self._on = True
 
     def _header(self, wall: float) -> dict[str, Any]:
         """The ``capture_start`` record's fields (but the tap's name)."""
@@ -477,7 +476,6 @@ class TraceAddon:
         """Settle what is open (in flight, closed by the tap) and end the capture."""
         if not self._on:
             return
-        self._on = False
         self._drain_all()
         close: Fact = ("close", time.monotonic(), reason)
         if self._ship_handle is not None:
@@ -493,11 +491,13 @@ class TraceAddon:
                 self._closing.append(finishing)
         if engine is not None:
             engine.apply(close)
-        for flow in self._flows.values():
-            flow.dirty = False
         self._clients.clear()
         self._flows.clear()
-        self._dirty.clear()
+
+    @property
+    def _on(self) -> bool:
+        """Tracing: a capture is open (its engine here, or its capture process)."""
+        return self.engine is not None or self.process is not None
 
     # ---- facts out ----------------------------------------------------------------------
 
@@ -767,8 +767,9 @@ class TraceAddon:
             if data:
                 times.append(monotonic())
                 pieces.append(data if keep else len(data))
-                if not state.dirty or len(times) >= BODY_BATCH_READS or len(data) >= BIG_PIECE:
-                    self._mark(state, len(times) >= BODY_BATCH_READS or len(data) >= BIG_PIECE)
+                soon = len(times) >= BODY_BATCH_READS or len(data) >= BIG_PIECE
+                if soon or not state.dirty:
+                    self._mark(state, soon)
             elif state.body_end is None:  # mitmproxy's end-of-message call
                 state.body_end = monotonic()
             return data if then is None else then(data)
@@ -861,7 +862,7 @@ def _is_sse(fields: tuple[tuple[bytes, bytes], ...]) -> bool:
     """Whether a response head says ``text/event-stream`` (as ``response_head_facts``)."""
     for name, value in fields:
         if name.lower() == b"content-type":
-            return value.lower().startswith(SSE_TYPE)
+            return is_event_stream(value)
     return False
 
 

@@ -90,6 +90,8 @@ def records(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
     return [r for r in read_records(path) if kind is None or r["type"] == kind]
 
 
+# one SSE event of 64 KiB: a piece big enough to be handed on at once
+BIG_EVENT = b'data: {"choices":[{"delta":{"content":"' + b"x" * 65500 + b'"}}]}\n\n'
 SSE_CHUNKS = [
     b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n',
     b'data: {"choices":[{"delta":{"content":"tok0 "}}]}\n\n',
@@ -641,7 +643,7 @@ def test_pieces_reach_the_engine_at_once_when_there_is_no_loop(tmp_path: Path) -
 async def test_big_pieces_are_kept_for_a_round_of_the_loop_at_most(tmp_path: Path) -> None:
     """SSE pieces are kept until they are handed on, and the engine keeps them until their
     batch is written: big ones (an event of 64 KiB) must pile up in neither."""
-    event = b'data: {"choices":[{"delta":{"content":"' + b"x" * 65500 + b'"}}]}\n\n'
+    event = BIG_EVENT
     per_batch = trace.MAX_KEPT_BYTES // len(event)
     with addon_ctx(tmp_path) as (addon, path):
         flow, stream, state = streaming_sse(addon)
@@ -743,7 +745,7 @@ def test_a_capture_process_that_falls_behind_costs_facts_not_traffic(
     on at once, the backlog stays under its bound, and what did not fit is counted in a
     ``capture_loss`` record once the process reads again."""
     monkeypatch.setattr(trace, "MAX_BACKLOG", 256 << 10)
-    event = b'data: {"choices":[{"delta":{"content":"' + b"x" * 65500 + b'"}}]}\n\n'
+    event = BIG_EVENT
     with addon_ctx(tmp_path, tracer_sidecar=True) as (addon, path):
         process = addon.process
         flow, stream, _ = streaming_sse(addon)
@@ -769,7 +771,7 @@ async def test_a_full_pipe_is_written_when_the_loop_says_it_drained(tmp_path: Pa
     """In mitmproxy's loop: with the capture process stopped the pipe fills, the rest
     waits in the backlog, and the loop's writer callback writes it once the process reads
     again. Nothing is lost under the bound."""
-    event = b'data: {"choices":[{"delta":{"content":"' + b"x" * 65500 + b'"}}]}\n\n'
+    event = BIG_EVENT
     with addon_ctx(tmp_path, tracer_sidecar=True) as (addon, path):
         process = addon.process
         flow, stream, _ = streaming_sse(addon)

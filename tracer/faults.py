@@ -70,7 +70,7 @@ from .framing import (
     body_framing,
     chunk_size,
 )
-from .sse import MAX_EVENT, classify
+from .sse import MAX_EVENT, classify, is_event_stream
 
 MAX_HEAD = 64 * 1024
 BUFFER_LIMIT = 16 * 1024 * 1024
@@ -1100,10 +1100,7 @@ class _Response:
             if status < 200:
                 continue  # 1xx: the final head follows
             framing, length = body_framing(self.method, status, headers)
-            sse = any(
-                name == b"content-type" and value.lower().startswith(b"text/event-stream")
-                for name, value in headers
-            )
+            sse = any(name == b"content-type" and is_event_stream(value) for name, value in headers)
             events = SseEvents() if sse and self.wants_events else None
             self.walker = _Walker(framing, length, events)
             for stage in self.stages:

@@ -756,7 +756,8 @@ class MitmEngine:
                 st.pieces.clear()
 
     def _flush_body(self, st: _Flow) -> None:
-        """Write the pieces observed so far as one ``body`` record."""
+        """Write the pieces observed so far as one ``body`` record (``_flush_guarded``
+        empties the batch)."""
         times, sizes, pieces = st.times, st.sizes, st.pieces
         if not times:
             return
@@ -791,10 +792,8 @@ class MitmEngine:
         if conn.multiplexed and last > st.active_m:
             st.active_m = last
         data_text = encoding = None
-        if pieces:
-            if self.settings.bodies == "all":
-                data_text, encoding = encode_body(b"".join(pieces))
-            pieces.clear()
+        if pieces and self.settings.bodies == "all":
+            data_text, encoding = encode_body(b"".join(pieces))
         self._emit(
             ev.BodyData(
                 t=first + self._wall,
@@ -810,9 +809,6 @@ class MitmEngine:
                 data_encoding=encoding,
             )
         )
-        times.clear()
-        sizes.clear()
-        st.kept = 0
 
     def _sse_records(
         self,

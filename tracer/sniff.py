@@ -57,7 +57,7 @@ from . import events as ev
 from .bodies import RequestBody, encode_body
 from .framing import BodyDecoder, FramingError, body_framing
 from .redact import redact_headers
-from .sse import SseEvent, SseSplitter
+from .sse import SseEvent, SseSplitter, is_event_stream
 
 Emit = Callable[[ev.Event], None]
 Bodies = Literal["none", "requests", "all"]
@@ -866,7 +866,7 @@ def response_head_facts(
         elif name == b"transfer-encoding":
             chunked = True
         elif name == b"content-type":
-            sse = value.lower().startswith(b"text/event-stream")
+            sse = is_event_stream(value)
         elif name == b"connection":
             lowered = value.lower()
             if b"close" in lowered:

@@ -106,6 +106,11 @@ class SseSplitter:
         return events
 
 
+def is_event_stream(content_type: bytes) -> bool:
+    """Whether a ``Content-Type`` value says SSE."""
+    return content_type.lower().startswith(b"text/event-stream")
+
+
 def classify(block: bytes) -> SseEvent:
     """Classify one SSE event (its lines, without the terminating blank line)."""
     size = len(block) + 2
