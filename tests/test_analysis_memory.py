@@ -144,7 +144,9 @@ def test_spilled_rows_give_the_same_output_as_rows_in_memory(
     doc = json.loads(a["json"])
     assert doc["totals"]["requests"] == 30_000 - 4  # 4 hung requests never reached "back"
     kinds = [(f["party"], f["kind"]) for f in doc["findings"]]
-    assert kinds.count(("proxy", "proxy_hung_on_reuse")) == 4, kinds
+    (hung,) = [f for f in doc["findings"] if f["kind"] == "proxy_hung_on_reuse"]
+    assert hung["party"] == "proxy" and hung["grouped"] == 4  # one finding, 4 requests
+    assert len([q for q in hung["requests"] if q.startswith("front/")]) == 4
     assert ("unknown", "engine_error_status") in kinds  # the router's URL is not known
     assert ("engine", "engine_queueing") in kinds  # slow first tokens while busy: a note
     assert doc["verdict"]["party"] == "proxy"

@@ -234,9 +234,10 @@ async def test_client_not_reading_and_abort_are_the_client(tmp_path: Path) -> No
 async def test_a_buffering_hop_is_the_proxy(tmp_path: Path) -> None:
     """A hop that holds the whole stream (`--fault buffer-stream`, as nginx with buffering
     does for some responses): the tap in front sees one burst at the end while the
-    engine's counters rose all along."""
+    engine's decode progress (written every 40 decode steps, as SGLang's
+    realtime_tokens_total) rose meanwhile: 120 tokens, three writes inside the stream."""
     capture = tmp_path / "cap.jsonl"
-    async with engine_running(ttft=0.0, itl=0.05) as sim:
+    async with engine_running(ttft=0.0, itl=0.02) as sim:
         async with (
             tracer_proxy(
                 "proxy",
@@ -264,7 +265,7 @@ async def test_a_buffering_hop_is_the_proxy(tmp_path: Path) -> None:
             ) as proc,
         ):
             async with httpx.AsyncClient(timeout=10) as client:
-                body = {**BODY, "max_tokens": 30}
+                body = {**BODY, "max_tokens": 120}
                 async with client.stream("POST", proc.url + "/v1/chat/completions", json=body) as r:
                     async for _ in r.aiter_bytes():
                         pass

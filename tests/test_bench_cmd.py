@@ -125,7 +125,7 @@ async def test_refuses_a_busy_engine_and_runs_with_force(tmp_path: Path) -> None
     async with engine_running(itl=0.01, ttft=0.0) as engine:
         async with httpx.AsyncClient(timeout=None) as client, anyio.create_task_group() as tg:
             tg.start_soon(_long_request, engine, client)
-            await wait_until(lambda: engine.scheduler.generation_tokens_total > 0)
+            await wait_until(lambda: len(engine.scheduler.running) > 0)
             common = ["--target", engine.url, "--concurrency", "1", "--output-len", "3",
                       "--requests", "2", "--repeats", "1",
                       "--engine-metrics", f"{engine.url}/metrics"]  # fmt: skip

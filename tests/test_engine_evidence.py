@@ -130,8 +130,9 @@ async def test_watch_records_engine_evidence_alone(tmp_path: Path) -> None:
             ],
         )
         try:
-            await wait_until(
-                lambda: capture.exists() and capture.read_bytes().count(b'"ok":true') >= 3
+            await wait_until(  # a process's start-up takes seconds on a loaded machine
+                lambda: capture.exists() and capture.read_bytes().count(b'"ok":true') >= 3,
+                timeout=30,
             )
             process.send_signal(signal.SIGTERM)
             with anyio.fail_after(5):

@@ -37,81 +37,81 @@ def state(keys: list[str], *values: Any) -> dict[str, Any]:
     return dict(zip(keys, values, strict=True))
 
 
-# running, queued, token_usage, gen_throughput, generation_tokens_total,
+# running, queued, token_usage, gen_throughput, decode_tokens_total, generation_tokens_total,
 # prompt_tokens_total, requests_total [, in_flight, in_flight_older_than, workers_healthy,
 # workers_total]
 EXPECTED: list[tuple[str, str, dict[str, Any]]] = [
     (
         "sglang_docs_production_metrics.prom",
         "sglang",
-        state(ENGINE_KEYS, 162, 2826, 0.28, 86.50814177726902, 7557572, 8128902, N),
+        state(ENGINE_KEYS, 162, 2826, 0.28, 86.50814177726902, N, 7557572, 8128902, N),
     ),
     (
         "llamacpp_pr11512_commit_message.prom",
         "llamacpp",
-        state(ENGINE_KEYS, 0, 0, N, N, N, N, N),
+        state(ENGINE_KEYS, 0, 0, N, N, N, N, N, N),
     ),
     (
         "vllm_v1_engine_label_thirdparty_trimmed.prom",
         "vllm",
-        state(ENGINE_KEYS, 1, 0, 0.0798685, N, 89950, N, 160 + 4),
+        state(ENGINE_KEYS, 1, 0, 0.0798685, N, 89950, 89950, N, 160 + 4),
     ),
     (
         "captured_smg_0.3.2_engine_metrics.prom",
         "sglang",
-        state(ENGINE_KEYS, 3 + 3, 1 + 1, 0.25, 321.5 + 321.5, N, N, N),
+        state(ENGINE_KEYS, 3 + 3, 1 + 1, 0.25, 321.5 + 321.5, N, N, N, N),
     ),
     (
         "captured_smg_0.3.2_router_metrics.prom",
         "smg",
-        state(ROUTER_KEYS, N, N, N, N, N, N, 4, N, N, 2, 2),
+        state(ROUTER_KEYS, N, N, N, N, N, N, N, 4, N, N, 2, 2),
     ),
     (
         "synthetic_sglang_pd_decode_dp2.prom",
         "sglang",
-        state(ENGINE_KEYS, 53, 4, 0.71, 2140.5, 1843210, 9921040, 5120),
+        state(ENGINE_KEYS, 53, 4, 0.71, 2140.5, 901234 + 880001, 1843210, 9921040, 5120),
     ),
     (
         "synthetic_sglang_priority.prom",
         "sglang",
-        state(ENGINE_KEYS, 12, 4, 0.33, N, 4000, N, N),
+        state(ENGINE_KEYS, 12, 4, 0.33, N, N, 4000, N, N),
     ),
     (
         "synthetic_sglang_underscore.prom",
         "sglang",
-        state(ENGINE_KEYS, 42, 6, 0.5, 900.0, 5100, 70200, 178),
+        state(ENGINE_KEYS, 42, 6, 0.5, 900.0, N, 5100, 70200, 178),
     ),
     (
         "synthetic_smg_router.prom",
         "smg",
-        state(ROUTER_KEYS, 60, 4, 0.7, 2440.0, 81234, 123456, 5015, 12, 300, 2, 3),
+        state(ROUTER_KEYS, 60, 4, 0.7, 2440.0, N, 81234, 123456, 5015, 12, 300, 2, 3),
     ),
     (
         "synthetic_sgl_router_legacy.prom",
         "sgl_router",
-        state(ROUTER_KEYS, N, N, N, N, N, N, 1350, 4, N, 2, 2),
+        state(ROUTER_KEYS, N, N, N, N, N, N, N, 1350, 4, N, 2, 2),
     ),
     (
         "synthetic_vllm_dp2.prom",
         "vllm",
-        state(ENGINE_KEYS, 8, 2, 0.42, N, 52453, 190000, 164),
+        state(ENGINE_KEYS, 8, 2, 0.42, N, 52453, 52453, 190000, 164),
     ),
     (
         "synthetic_llamacpp.prom",
         "llamacpp",
-        state(ENGINE_KEYS, 2, 1, 0.25, 41.5, 2048, 8192, N),
+        state(ENGINE_KEYS, 2, 1, 0.25, 41.5, 2100, 2048, 8192, N),
     ),
     (
         "synthetic_sglang_nan.prom",
         "sglang",
-        state(ENGINE_KEYS, N, 4, 0.5, N, N, 1000, N),
+        state(ENGINE_KEYS, N, 4, 0.5, N, N, N, 1000, N),
     ),
     (
         "synthetic_sglang_missing.prom",
         "sglang",
-        state(ENGINE_KEYS, N, N, N, N, 77, 999, 3),
+        state(ENGINE_KEYS, N, N, N, N, N, 77, 999, 3),
     ),
-    ("synthetic_empty.prom", "unknown", state(ENGINE_KEYS, N, N, N, N, N, N, N)),
+    ("synthetic_empty.prom", "unknown", state(ENGINE_KEYS, N, N, N, N, N, N, N, N)),
 ]
 
 
@@ -151,6 +151,7 @@ def test_dp_summed_tp_never_and_series_kept() -> None:
             "queued": 3,
             "token_usage": 0.71,
             "gen_throughput": 1100.25,
+            "decode_tokens_total": 901234,
         },
         {
             "labels": {"dp_rank": "1", "engine_type": "decode", "model_name": "qwen"},
@@ -158,6 +159,7 @@ def test_dp_summed_tp_never_and_series_kept() -> None:
             "queued": 1,
             "token_usage": 0.64,
             "gen_throughput": 1040.25,
+            "decode_tokens_total": 880001,
         },
         {
             "labels": {"model_name": "qwen"},
@@ -290,6 +292,7 @@ def test_missing_metrics_are_none() -> None:
         "queued",
         "token_usage",
         "gen_throughput",
+        "decode_tokens_total",
     ]
     assert set(got.freshness) == {
         "generation_tokens_total",
@@ -324,7 +327,7 @@ def test_vllm_docs_elisions_strict_fails_lenient_recovers() -> None:
     assert [s.split(":")[0] for s in skipped] == ["line 5", "line 9", "line 15"]
     got = engines.normalise(families)
     assert got.profile == "vllm"
-    assert got.state == state(ENGINE_KEYS, 8, N, N, N, 27453, N, 1 + 131 + 0)
+    assert got.state == state(ENGINE_KEYS, 8, N, N, N, 27453, 27453, N, 1 + 131 + 0)
 
 
 # ---- profile override, raw, freshness ------------------------------------------------
@@ -352,11 +355,21 @@ def test_raw_only_on_request_and_only_unknown_metrics() -> None:
     assert nan_raw == {"odd": [{"labels": {"a": "b"}, "value": None}]}
 
 
-def test_freshness_says_sglang_gauges_are_sampled_and_counters_live() -> None:
+def test_freshness_says_sglang_gauges_are_sampled_and_token_counters_finish_time() -> None:
     got = reading("synthetic_sglang_pd_decode_dp2.prom")
     assert got.freshness["running"] == "gauge: refreshed every 40 decode steps, ~30 s when idle"
     assert got.freshness["gen_throughput"] == got.freshness["running"]
-    assert got.freshness["generation_tokens_total"] == "counter: live"
+    assert "when a request finishes" in got.freshness["generation_tokens_total"]
+    assert engines.figure_timing("sglang", "running") == "sampled"
+    assert engines.figure_timing("sglang", "generation_tokens_total") == "finish"
+    assert engines.figure_timing("sglang", "requests_total") == "finish"
+    assert engines.figure_timing("sglang", engines.PROGRESS_KEY) == "sampled"
+    assert engines.figure_timing("vllm", "generation_tokens_total") == "live"
+    assert engines.figure_timing("vllm", engines.PROGRESS_KEY) == "live"
+    assert engines.figure_timing("llamacpp", "generation_tokens_total") == "finish"
+    assert engines.figure_timing("llamacpp", engines.PROGRESS_KEY) == "live"
+    assert engines.figure_timing("smg", engines.PROGRESS_KEY) is None
+    assert engines.figure_timing("nope", "running") is None
     lc = reading("synthetic_llamacpp.prom").freshness
     assert "resets it on every scrape" in lc["gen_throughput"]
 
@@ -410,6 +423,7 @@ def test_counter_tracker_on_readings() -> None:
     tracker.update("u", before.state, 1.0)
     deltas, _, _ = tracker.update("u", after.state, 2.0)
     assert deltas == {
+        "decode_tokens_total": 0,
         "generation_tokens_total": 0,
         "prompt_tokens_total": 0,
         "requests_total": 13,
@@ -450,7 +464,7 @@ V1_LOADS = {
 def test_parse_v1_loads() -> None:
     got = engines.parse_loads(V1_LOADS)
     assert got.profile == "sglang"
-    assert got.state == state(ENGINE_KEYS, 53, 4, 0.71, 2140.5, N, N, N)
+    assert got.state == state(ENGINE_KEYS, 53, 4, 0.71, 2140.5, N, N, N, N)
     assert got.series == [
         {
             "labels": {"dp_rank": "0"},
@@ -477,7 +491,7 @@ def test_parse_old_get_load_list() -> None:
         {"dp_rank": 1, "num_reqs": 24, "num_waiting_reqs": 1, "num_tokens": 8000, "ts_tic": 1.0},
     ]
     got = engines.parse_loads(json.dumps(old))
-    assert got.state == state(ENGINE_KEYS, 30 + 23, 3 + 1, N, N, N, N, N)
+    assert got.state == state(ENGINE_KEYS, 30 + 23, 3 + 1, N, N, N, N, N, N)
     assert "get_load" in got.freshness["running"]
     single = engines.parse_loads({"num_reqs": 5, "num_waiting_reqs": 2, "num_tokens": 10})
     assert single.state["running"] == 3 and single.series == []

@@ -893,6 +893,7 @@ async def test_cli_proxy_with_faults(tmp_path: Path) -> None:
             f"http://127.0.0.1:{upstream.port}",
             "--capture",
             str(capture),
+            "--no-fingerprint",  # a scripted upstream: every request it gets is the test's
             "--fault",
             "status:503@pos=1",
             "--fault",
@@ -931,7 +932,7 @@ async def test_faults_changed_while_the_tap_runs(tmp_path: Path) -> None:
     async with listener, anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, upstream.serve)
         args = ["proxy", "--listen", "127.0.0.1:0", "--upstream"]
-        args += [f"http://127.0.0.1:{upstream.port}", "--capture", str(capture)]
+        args += [f"http://127.0.0.1:{upstream.port}", "--capture", str(capture), "--no-fingerprint"]
         args += ["--admin", f"127.0.0.1:{admin_port}", "--fault-control", "--tap", "t"]
         async with tracer_proxy(*args) as proc, httpx.AsyncClient() as admin:
             answer = status_response(parse_fault("status:503@path=/v1/chat/*"))

@@ -160,12 +160,25 @@ class Cap:
         url: str = ENGINE + "/metrics",
         profile: str = "sglang",
         in_flight: int | None = None,
+        *,
+        finished: int | None = None,
+        progress_figure: bool = True,
+        interval: float = 1.0,
     ) -> None:
+        """One scrape. ``delta``: decode progress since the previous one (SGLang's
+        realtime_tokens_total); ``finished``: the finish-time token counter's increase
+        (default ``delta``); ``progress_figure`` false: an engine without the progress
+        figure (its finish-time counter only)."""
+        generated = delta if finished is None else finished
         state: dict[str, Any] = {
             "running": running,
             "queued": queued,
-            "generation_tokens_total": 1000 + delta,
+            "generation_tokens_total": 1000 + generated,
         }
+        deltas: dict[str, Any] = {"generation_tokens_total": generated}
+        if progress_figure:
+            state["decode_tokens_total"] = 1000 + delta
+            deltas["decode_tokens_total"] = delta
         if in_flight is not None:
             state = {"in_flight": in_flight}
         self._e(
@@ -176,7 +189,8 @@ class Cap:
             elapsed=0.001,
             profile=profile,
             state=state,
-            deltas={"generation_tokens_total": delta} if profile == "sglang" else None,
+            deltas=deltas if profile == "sglang" else None,
+            interval=interval if profile == "sglang" else None,
         )
 
     def probe(self, t: float, conn: int, seq: int, outcome: str = "ok") -> None:
@@ -464,9 +478,17 @@ def test_a_hop_that_times_out_on_a_silent_engine_answers_or_cuts_by_itself() -> 
     cut = by_request[("front/2/1", "back/2/1")]
     assert cut["kind"] == "proxy_cut_stream" and "read timeout" in cut["summary"]
     assert cut["ruled_out"] == []  # the engine was silent: not ruled out
-    # the silence behind keeps its own findings; nothing is told from the front alone
-    assert by_request[("back/1/1",)]["kind"] == "upstream_silent"
-    assert by_request[("back/2/1",)]["kind"] == "upstream_silent"
+    # the silence behind keeps its own findings; nothing is told from the front alone.
+    # Tap back's upstream is the router (its health URL): no hop between it and the
+    # serving stack, so the silence there is the serving stack's; stopped mid-stream, a
+    # stall (medium: no progress figure), before the first byte a wait it cannot name
+    early, mid = by_request[("back/1/1",)], by_request[("back/2/1",)]
+    assert (early["kind"], early["party"]) == ("upstream_silent", "engine")
+    assert (mid["kind"], mid["party"], mid["confidence"]) == (
+        "engine_stall_mid_stream",
+        "engine",
+        "medium",
+    )
     assert sorted(by_request) == [
         ("back/1/1",),
         ("back/2/1",),
@@ -1132,3 +1154,226 @@ def test_a_request_the_tap_behind_a_hop_stopped_reading_is_matched_by_its_head()
         "front/3/1 POST /v1/chat/completions: the same request at tap front as back/1/2, "
         "matched by its head"
     ) in note["evidence"][1]
+
+
+# ---- busy is not broken ----------------------------------------------------------------
+
+
+def _queued_then_streamed(cap: Cap, wait: float = 8.0) -> None:
+    """A request that waited ``wait`` s for its first byte (the tap's stall record), then
+    streamed to its end."""
+    cap.exchange(1, 1, 0.0, ttfb=wait, events=20, itl=0.05)
+    cap.stall(1, 1, 0.0, wait)
+
+
+def test_a_queue_at_capacity_with_flat_finish_counters_is_load_not_a_stall() -> None:
+    """SGLang adds generated tokens to generation_tokens_total only when a request
+    finishes: while 50 long streams decode it stays flat on a healthy engine. Its decode
+    progress (realtime_tokens_total) moves, so a request that waited in the queue and then
+    streamed is load: a note, never engine_stall."""
+    cap = Cap(upstream=ENGINE)
+    _queued_then_streamed(cap)
+    for t in range(0, 12):
+        cap.engine(float(t), running=50, queued=1 if t < 8 else 0, delta=400, finished=0)
+    result = analyze(cap)
+    assert result["verdict"]["kind"] == "healthy"
+    assert kinds(result) == [("engine", "engine_queueing")]
+    (note,) = result["findings"]
+    assert note["note"] is True and note["requests"] == ["front/1/1"]
+
+
+def test_flat_finish_counters_without_a_progress_figure_prove_nothing() -> None:
+    """The same load with only the finish-time counter (no progress figure): the engine
+    cannot be called stalled, and the request was answered: load."""
+    cap = Cap(upstream=ENGINE)
+    _queued_then_streamed(cap)
+    for t in range(0, 12):
+        cap.engine(float(t), running=50, queued=1, finished=0, progress_figure=False)
+    result = analyze(cap)
+    assert not [k for k in kinds(result) if k[1].startswith("engine_stall")]
+    assert result["verdict"]["kind"] == "healthy"
+
+
+def test_a_silence_at_a_tap_in_front_of_an_engine_without_progress_is_the_engine_unknown_why() -> (
+    None
+):
+    """Never answered, the engine running requests, no progress figure: the serving stack
+    held it (there is no hop in between), but nothing says stall rather than wait."""
+    cap = Cap(upstream=ENGINE)
+    cap.exchange(1, 1, 0.0, end=None)
+    cap.stall(1, 1, 0.0, None)
+    for t in range(0, 12):
+        cap.engine(float(t), running=3, finished=0, progress_figure=False)
+    (f,) = analyze(cap)["findings"]
+    assert (f["party"], f["kind"], f["confidence"]) == ("engine", "upstream_silent", "medium")
+    assert "proxy" in {r["party"] for r in f["ruled_out"]}
+    assert f["settle"]
+
+
+def test_flat_progress_while_running_is_a_stall() -> None:
+    cap = Cap(upstream=ENGINE)
+    cap.exchange(1, 1, 0.0, end=None)
+    cap.stall(1, 1, 0.0, None)
+    for t in range(0, 12):
+        cap.engine(float(t), running=3, delta=0)
+    (f,) = analyze(cap)["findings"]
+    assert (f["party"], f["kind"], f["confidence"]) == ("engine", "engine_stall", "high")
+
+
+def test_flat_progress_shorter_than_the_engines_cadence_is_no_stall() -> None:
+    """SGLang writes its progress figure every 40 decode steps: on an engine seen to
+    write it every 4 s, 3 s flat prove nothing."""
+    cap = Cap(upstream=ENGINE)
+    for t in range(0, 40):  # before: progress rises every 4th scrape
+        cap.engine(float(t) - 60.0, running=5, delta=160 if t % 4 == 0 else 0)
+    cap.exchange(1, 1, 0.0, ttfb=None, end="client_abort", duration=3.5)
+    cap.stall(1, 1, 0.0, 3.5)
+    for t in range(1, 4):
+        cap.engine(float(t), running=5, delta=0)
+    assert not [k for k in kinds(analyze(cap)) if k[1].startswith("engine_stall")]
+
+
+def test_a_burst_in_front_and_a_flowing_stream_behind_is_the_hop_between() -> None:
+    """nginx with proxy_buffering and proxy_http_version 1.0 between two taps: behind it
+    the stream flows for 3 s (close-delimited), in front it comes in one burst with no
+    silence long enough for a stall record. Both copies are joined: the hop between,
+    with high confidence and each tap's evidence."""
+    front = Cap("front", upstream=PROXY)
+    back = Cap("back", upstream=ENGINE, t0=1000.0)
+    front.exchange(1, 1, 0.0, rid="b", ttfb=3.1, events=20, itl=0.0)
+    back.exchange(1, 1, 0.002, rid="b", ttfb=0.05, events=20, itl=0.15)
+    result = analyze(front, back)
+    (f,) = [f for f in result["findings"] if f["kind"] == "buffered_response"]
+    assert (f["party"], f["confidence"]) == ("proxy", "high")
+    assert f["requests"] == ["front/1/1", "back/1/1"]
+    assert {r["party"] for r in f["ruled_out"]} == {"client", "engine"}
+    assert (result["verdict"]["party"], result["verdict"]["kind"]) == ("proxy", "buffered_response")
+
+
+def test_hard_evidence_outranks_bunching_for_the_verdict() -> None:
+    """A starved machine bunches a stream (30-60 ms gaps) before the real fault: a request
+    on a reused connection that never reached the next tap. The verdict answers the hang:
+    the request never seen behind, not the earlier, high-confidence bunching."""
+    front, back = Cap("front", upstream=PROXY), Cap("back", upstream=ROUTER)
+    _bunched(front, 0.0, bunched=True)
+    _bunched(back, 0.002, bunched=False)
+    for seq in (1, 2):
+        front.exchange(2, seq, seq * 1.0, rid=f"r{seq}", idle=0.5 if seq > 1 else 0)
+        back.exchange(2, seq, seq * 1.0 + 0.002, rid=f"r{seq}", idle=0.5 if seq > 1 else 0)
+    front.exchange(2, 3, 3.0, rid="r3", idle=0.5, end=None)
+    front.stall(2, 3, 3.0, None)
+    result = analyze(front, back)
+    assert ("proxy", "delivery_coalesced") in kinds(result)
+    v = result["verdict"]
+    assert (v["party"], v["kind"]) == ("proxy", "proxy_hung_on_reuse")
+
+
+# ---- topology, the tap's own traffic, a starved tap ---------------------------------
+
+
+def _topology(cap: Cap, role: str, basis: str = "declared", client_facing: bool = False) -> None:
+    cap._e(
+        ev.Topology,
+        0.0,
+        upstream=PROXY,
+        upstream_role=role,
+        basis=basis,
+        evidence=["declared with --upstream-role"],
+        client_facing=client_facing,
+    )
+
+
+def test_a_declared_engine_upstream_makes_a_lost_request_the_engines() -> None:
+    """The upstream URL matches no metrics URL (an engine behind a port mapping), but the
+    tap was told its upstream is the engine: a request the idle engine never ran was lost
+    by the serving stack, not by "the hop after the tap"."""
+    cap = Cap(upstream=PROXY)
+    _topology(cap, "engine")
+    cap.exchange(1, 1, 0.0, end=None)
+    cap.stall(1, 1, 0.0, None)
+    for t in range(0, 12):
+        cap.engine(float(t), running=0, delta=0)
+    result = analyze(cap)
+    v = result["verdict"]
+    assert (v["party"], v["kind"]) == ("engine", "engine_lost_request")
+    assert result["topology"]["chain"] == "client → ? → front → engine"
+    # declared a proxy: the same silence is the hop's
+    cap2 = Cap(upstream=PROXY)
+    _topology(cap2, "proxy", client_facing=True)
+    cap2.exchange(1, 1, 0.0, end=None)
+    cap2.stall(1, 1, 0.0, None)
+    for t in range(0, 12):
+        cap2.engine(float(t), running=0, delta=0)
+    result = analyze(cap2)
+    assert result["verdict"]["party"] == "proxy"
+    assert result["topology"]["chain"] == "client → front → proxy → ?"
+
+
+def test_a_taps_own_probe_seen_behind_it_is_not_client_traffic() -> None:
+    """The front tap's probe (x-tracer-probe) passes the back tap: not a request there."""
+    back = Cap("back", upstream=ENGINE)
+    back.exchange(1, 1, 0.0, headers=[["x-tracer-probe", "front"]], end=None)
+    back.stall(1, 1, 0.0, None)
+    back.exchange(1, 2, 1.0)
+    result = analyze(back)
+    assert [r["id"] for r in result["requests"]] == ["back/1/2"]
+    assert result["totals"]["tap_own_requests"] == 1
+    (conn,) = result["connections"]
+    assert conn["probes"] == 1
+    assert [f for f in result["findings"] if not f["note"]] == []
+
+
+def test_bunching_at_a_starved_tap_is_only_a_note() -> None:
+    """The tap's own loop ran 120 ms late while it saw a stream bunched: its timings
+    cannot testify about 40 ms bunches; the finding becomes a note quoting the lag."""
+    cap = Cap("front", upstream=PROXY)
+    _bunched(cap, 0.0, bunched=True)
+    assert analyze(cap)["verdict"]["kind"] == "delivery_coalesced"
+    cap._e(
+        ev.TapLag,
+        0.5,
+        window_start=cap.t0 - 0.5,
+        window=1.0,
+        max_lag=0.12,
+        max_lag_at=cap.t0 + 0.1,
+        late_ticks=3,
+        ticks=20,
+        threshold=0.02,
+        interval=0.05,
+    )
+    result = analyze(cap)
+    assert result["verdict"]["kind"] == "healthy"
+    (f,) = [f for f in result["findings"] if f["kind"] == "delivery_coalesced"]
+    assert f["note"] is True and f["confidence"] == "low"
+    assert result["evidence"]["tap_lags"][0]["max_lag"] == 0.12
+
+
+def test_identical_findings_are_one_with_all_their_requests() -> None:
+    front = Cap("front", upstream=PROXY)
+    back = Cap("back", upstream=ROUTER, t0=1000.0)
+    for conn in (1, 2):
+        for seq in (1, 2):
+            rid = f"c{conn}r{seq}"
+            front.exchange(conn, seq, seq * 1.0, rid=rid, idle=0.5 if seq > 1 else 0)
+            back.exchange(conn, seq, seq * 1.0 + 0.002, rid=rid, idle=0.5 if seq > 1 else 0)
+        front.exchange(conn, 3, 3.0, rid=f"c{conn}r3", idle=0.5, end=None)
+        front.stall(conn, 3, 3.0, None)
+    result = analyze(front, back)
+    (f,) = [f for f in result["findings"] if not f["note"]]
+    assert (f["kind"], f["grouped"]) == ("proxy_hung_on_reuse", 2)
+    assert f["requests"] == ["front/1/3", "front/2/3"]
+    assert f["connections"] == ["front/1", "front/2"]
+
+
+def test_a_reused_connection_is_blamed_only_where_reuse_is_implicated() -> None:
+    """Idle engine, nothing answered on fresh connections meanwhile, and a request on a
+    fresh connection hung too: the hop swallowed requests, reuse is not implicated."""
+    cap = Cap(upstream=PROXY)
+    cap.exchange(1, 1, 0.0)
+    cap.exchange(1, 2, 1.0, idle=0.5, end=None)
+    cap.stall(1, 2, 1.0, None)
+    cap.exchange(2, 1, 1.5, end=None)
+    cap.stall(2, 1, 1.5, None)
+    for t in range(0, 12):
+        cap.engine(float(t), running=0, delta=0)
+    assert {k for k in kinds(analyze(cap))} == {("proxy", "proxy_swallowed_request")}

@@ -54,7 +54,7 @@ async def taps_around(
         ) as hop,
         tracer_proxy(
             "proxy", "--listen", "127.0.0.1:0", "--upstream", hop.url,
-            "--tap", "front", "--capture", str(front), *front_args,
+            "--tap", "front", "--capture", str(front), "--upstream-role", "proxy", *front_args,
         ) as front_tap,
     ):  # fmt: skip
         yield front_tap.url, hop.url

@@ -168,7 +168,7 @@ def test_report_of_a_hang_on_reuse_behind_a_proxy(
     ruled = section(md, "Ruled out, and by which evidence")
     assert "- **client** ruled out: the request reached tap front complete" in ruled
     assert "- **engine** ruled out: the request never reached tap back" in ruled
-    assert "running≤0, queued≤0, generation tokens +0" in ruled
+    assert "running≤0, queued≤0, decode progress +0 tokens" in ruled
     assert "request 3 on connection front/" in ruled and "(keep-alive reuse after" in ruled
     # epoch time, and the offset beside it
     assert any(f"t={r.start:.3f} (+" in ruled for r in hung), ruled

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from . import events as ev
+from .engines import progress_delta
 from .faults import Fault, FaultSpecError, parse_fault
 from .relay import Tap
 
@@ -247,7 +248,7 @@ class LiveState:
                 row[key] = next((v for v in values if v is not None), None)
             row["tokens_per_s"] = None
             if metrics is not None and metrics.ok and metrics.deltas and metrics.interval:
-                generated = metrics.deltas.get("generation_tokens_total")
+                generated = progress_delta(metrics.deltas, metrics.profile)
                 if generated is not None:
                     row["tokens_per_s"] = round(generated / metrics.interval, 1)
             rows.append(row)

@@ -28,13 +28,14 @@ from typing import Any
 from . import events as ev
 from .spill import ChunkLog, SortedSpool
 
-SCHEMA = "tracer.analysis/2"
+SCHEMA = "tracer.analysis/3"
 ZERO_GAP = 0.001  # events closer than this arrived together
 BUNCH_GAP = (0.030, 0.060)  # the delayed-ACK hold of a hop without TCP_NODELAY
 SPILL_ROWS = 4096  # finished rows held in memory before a sorted run goes to disk
 RECENT_ROWS = 1024  # finished rows that late events can still update
 FINISHED_KEYS = 16384  # keys of rows written out, remembered to ignore late events
 CLIENT_FAILURES_KEPT = 20  # client connections failed before a first request, quoted
+MAX_LAGS = 10_000  # tap_lag records kept (one a second at most per tap)
 
 
 @dataclass(slots=True)
@@ -113,6 +114,7 @@ class ConnectionRow:
     upstream_connect: float | None = None
     upstream_error: str | None = None
     anomalies: list[str] = field(default_factory=list)
+    probes: int = 0  # requests on it that were a tap's own (``PROBE_HEADER``), not counted
 
 
 RequestKey = tuple[str, int, int]
@@ -134,18 +136,39 @@ _CONNECTION_VALUES = operator.attrgetter(*(f.name for f in fields(ConnectionRow)
 
 
 RETRY_HEADER = "x-stainless-retry-count"  # sent by the openai SDKs on every attempt
+# a tap's own request (a probe on stall, the topology fingerprint), naming the tap: seen
+# by the taps behind it, it is not the client's traffic and stays out of the tables
+PROBE_HEADER = "x-tracer-probe"
+
+
+def _header(headers: list[Any], wanted: str) -> str | None:
+    for name, value in headers:
+        if len(name) == len(wanted) and name.lower() == wanted:
+            return str(value)
+    return None
 
 
 def _retry_count(headers: list[Any]) -> int | None:
     """The openai SDK's attempt number: a retry sends the same body again, and only this
     tells it from the first attempt when the client sends no ``x-request-id``."""
-    for name, value in headers:
-        if len(name) == len(RETRY_HEADER) and name.lower() == RETRY_HEADER:
-            try:
-                return int(value)
-            except (TypeError, ValueError):
-                return None
-    return None
+    value = _header(headers, RETRY_HEADER)
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None
+
+
+def _declared(start: ev.CaptureStart) -> dict[str, Any] | None:
+    """The header's declared role (``--upstream-role``, ``--client-facing``), if any."""
+    if start.upstream_role is None and not start.client_facing:
+        return None
+    return {
+        "upstream_role": start.upstream_role or "unknown",
+        "basis": "declared" if start.upstream_role else "unknown",
+        "evidence": ["declared with --upstream-role"] if start.upstream_role else [],
+        "client_facing": bool(start.client_facing),
+        "server": None,
+    }
 
 
 def _request_from(values: list[Any]) -> RequestRow:
@@ -342,6 +365,9 @@ class Summary:
         self.request_taps: set[str] = set()  # taps that parsed at least one request
         self._totals = _Totals()
         self._closing: dict[ConnKey, bool] = {}
+        self._own: set[RequestKey] = set()  # the taps' own requests in flight (probes)
+        self.own_requests = 0
+        self.lags: list[dict[str, Any]] = []  # windows where a tap's own loop ran late
         self._engine_list: list[dict[str, Any]] | None = None
         self._health_list: list[dict[str, Any]] | None = None
 
@@ -378,6 +404,8 @@ class Summary:
             self.first_t = event.t
         if self.last_t is None or event.t > self.last_t:
             self.last_t = event.t
+        if self._own and self._own_traffic(event):
+            return
         match event:
             case ev.BodyData():
                 if event.sse:
@@ -385,6 +413,13 @@ class Summary:
             case ev.RequestHead():
                 key = (event.tap, event.conn, event.seq)
                 ckey = (event.tap, event.conn)
+                if _header(event.headers, PROBE_HEADER) is not None:
+                    self._own.add(key)
+                    self.own_requests += 1
+                    conn = self._conn(event.tap, event.conn)
+                    if conn is not None:
+                        conn.probes += 1
+                    return
                 self.requests.start(
                     key,
                     RequestRow(
@@ -564,8 +599,33 @@ class Summary:
                         "started": event.t,
                         "ended": None,
                         "dropped": 0,
+                        "topology": _declared(event),
                     },
                 )
+            case ev.Topology():
+                tap = self.taps.get(event.tap)
+                if tap is not None and (
+                    tap.get("topology") is None or tap["topology"]["basis"] != "declared"
+                ):  # a declared role wins over the fingerprint
+                    tap["topology"] = {
+                        "upstream_role": event.upstream_role,
+                        "basis": event.basis,
+                        "evidence": list(event.evidence),
+                        "client_facing": event.client_facing,
+                        "server": event.server,
+                    }
+            case ev.TapLag():
+                if len(self.lags) < MAX_LAGS:
+                    blocked_at = event.t - (event.m - event.max_lag_at)  # wall time
+                    self.lags.append(
+                        {
+                            "tap": event.tap,
+                            "start": event.t - (event.m - event.window_start),
+                            "end": event.t,
+                            "max_lag": event.max_lag,
+                            "blocked": [blocked_at - event.max_lag, blocked_at],
+                        }
+                    )
             case ev.CaptureEnd():
                 tap = self.taps.get(event.tap)
                 if tap is not None:
@@ -641,6 +701,18 @@ class Summary:
             self.requests.start(key, req)
         return req
 
+    def _own_traffic(self, event: ev.Event) -> bool:
+        """An event of a tap's own request (kept out of the tables); its end forgets it."""
+        seq = getattr(event, "seq", None)
+        if seq is None:
+            return False
+        key = (event.tap, getattr(event, "conn", -1), seq)
+        if key not in self._own:
+            return False
+        if isinstance(event, ev.ResponseEnd):
+            self._own.discard(key)
+        return True
+
     def _client_failed(self, event: ev.Anomaly) -> None:
         self.client_failures_total += 1
         if len(self.client_failures) < CLIENT_FAILURES_KEPT:
@@ -692,6 +764,7 @@ class Summary:
             sample_urls=self.engine_urls | self.health_urls,
             client_failures=self.client_failures,
             client_failures_total=self.client_failures_total,
+            lags=self.lags,
         )
         findings, verdict = find(evidence)
         totals = _Totals()
@@ -712,6 +785,7 @@ class Summary:
                 "terminations": dict(sorted(totals.terminations.items())),
                 "stalls": totals.stalls,
                 "capture_records_lost": self.capture_losses,
+                **({"tap_own_requests": self.own_requests} if self.own_requests else {}),
                 **({"late_events_ignored": self.late_events} if self.late_events else {}),
             },
             "connections": conns if raw_rows else _as_dicts(conns),
@@ -727,7 +801,9 @@ class Summary:
                 "fault_plans": sorted(self.fault_plans, key=lambda p: (p["t"], p["tap"])),
                 "marks": marks,
                 "tap_pairs": evidence.tap_pairs,
+                "tap_lags": self.lags,
             },
+            "topology": evidence.topology,
         }
 
 

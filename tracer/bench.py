@@ -58,6 +58,7 @@ import orjson
 
 from . import __version__
 from . import events as ev
+from .engines import progress_delta
 from .streamclient import Sample, StreamClient, Target
 from .workload import Mix, RequestSpec, capture_mix, synthetic_mix
 
@@ -476,8 +477,8 @@ def _verdict(url: str, samples: Sequence[ev.EngineSample]) -> dict[str, Any]:
     check["source"] = "live /v1/loads" if live is not None else "metrics gauges"
     running, queued = state.get("running"), state.get("queued")
     check["running"], check["queued"] = running, queued
-    deltas = metrics.deltas or {}
-    generated = deltas.get("generation_tokens_total")
+    # decode progress only: SGLang adds generation_tokens_total when a request finishes
+    generated = progress_delta(metrics.deltas, metrics.profile)
     check["generated_meanwhile"] = generated
     if running is None and queued is None:
         check["why"] = f"no running/queued figures at this URL (profile {metrics.profile})"
@@ -487,7 +488,7 @@ def _verdict(url: str, samples: Sequence[ev.EngineSample]) -> dict[str, Any]:
     if generated:
         figures += f"; {generated} tokens generated in {IDLE_CHECK_GAP:g} s"
         busy = True
-    elif busy and live is None:
+    elif busy and live is None and generated is not None:
         figures += "; no tokens generated meanwhile: SGLang's gauges can be ~30 s old after a run"
     check["idle"] = not busy
     check["why"] = figures

@@ -120,6 +120,28 @@ def _parser() -> argparse.ArgumentParser:
         "--upstream", required=True, metavar="URL", help="http://HOST:PORT of the router"
     )
     px.add_argument("--tap", default="tap", metavar="NAME", help="this tap's name in the capture")
+    px.add_argument(
+        "--upstream-role",
+        choices=["engine", "router", "proxy"],
+        default=None,
+        help="what --upstream is: an engine, the router, or a proxy (any hop that is not the "
+        "serving stack); written into the capture, and wins over the fingerprint (default: "
+        "not declared; with --capture, inferred from a fingerprint of the upstream taken at "
+        "start over one connection of the tap's own, recorded as a `topology` record)",
+    )
+    px.add_argument(
+        "--no-fingerprint",
+        action="store_true",
+        help="do not send the fingerprint's few GET requests to the upstream at start (for a "
+        "hop that counts requests, or a test upstream); the role is then declared or inferred "
+        "from the --engine-metrics/--health URLs only",
+    )
+    px.add_argument(
+        "--client-facing",
+        action="store_true",
+        help="the harness connects to this tap directly (no proxy in front of it); written "
+        "into the capture header (default: not declared)",
+    )
     px.add_argument("--capture", metavar="FILE", help="write the event stream here (JSON Lines)")
     px.add_argument(
         "--stall-after",
@@ -373,6 +395,11 @@ def _proxy(args: argparse.Namespace) -> int:
         faults=list(args.fault),
         fault_control=args.fault_control,
         inject_request_id=args.inject_request_id,
+        upstream_role=args.upstream_role,
+        client_facing=args.client_facing,
+        # the fingerprint is traffic of the tap's own: only when a capture records it
+        fingerprint=args.upstream_role is None and bool(args.capture) and not args.no_fingerprint,
+        serving_urls=[*args.engine_metrics, *args.health],
     )
     if args.fault_control and admin is None:
         raise ValueError("--fault-control needs --admin HOST:PORT (its /faults changes them)")

@@ -38,10 +38,16 @@ Summing rules (reference §1.2, §3.1):
 4. NaN and infinities are ``None``; a sum with an unknown part is unknown (``None``), not
    a smaller number.
 
-Freshness (``Reading.freshness``) says, per figure, how old it may be: SGLang's scheduler
-gauges are written every 40 decode steps and about every 30 s while idle, so a gauge can
-be 30 s old; its counters are live. Check counters' deltas (``CounterTracker``) before
-believing a frozen gauge. llama.cpp resets its throughput averages on *every* /metrics
+Freshness (``Reading.freshness``) says, per figure, how old it may be, and each source's
+``timing`` says when it moves (``figure_timing``): SGLang's scheduler gauges are
+*sampled* (written every 40 decode steps and about every 30 s while idle, so a gauge can
+be 30 s old); its tokenizer counters (``generation_tokens_total``, ``prompt_tokens_total``,
+``num_requests_total``) are added when a request *finishes*, so they stay flat on a busy,
+healthy engine while long streams decode. Progress is ``decode_tokens_total``
+(``PROGRESS_KEY``): SGLang's ``realtime_tokens_total{mode="decode"}`` (sampled, every log
+interval), vLLM's ``generation_tokens_total`` (live, every engine step), llama.cpp's
+``n_decode_total`` (live). Check progress deltas (``CounterTracker``) before believing a
+frozen gauge, and never read "no tokens" from a finish-time counter. llama.cpp resets its throughput averages on *every* /metrics
 scrape, so another scraper (Prometheus) and the tracer disturb each other's figure.
 
 ``parse_loads`` reads SGLang's ``/v1/loads`` (live values, computed on request) and the
@@ -62,6 +68,7 @@ from prometheus_client.parser import text_string_to_metric_families
 __all__ = [
     "COUNTER_KEYS",
     "PROFILES",
+    "PROGRESS_KEY",
     "REPLICA_LABELS",
     "ROUTER_KEYS",
     "STATE_KEYS",
@@ -71,10 +78,12 @@ __all__ = [
     "Reading",
     "canonical_name",
     "detect_profile",
+    "figure_timing",
     "normalise",
     "parse",
     "parse_lenient",
     "parse_loads",
+    "progress_delta",
     "read_metrics",
 ]
 
@@ -83,7 +92,8 @@ STATE_KEYS: tuple[str, ...] = (
     "queued",  # requests waiting
     "token_usage",  # KV-cache use, 0-1 (max over DP ranks / engines)
     "gen_throughput",  # tokens/s (the engine's own gauge)
-    "generation_tokens_total",  # counter
+    "decode_tokens_total",  # counter of decode progress, moving while streams decode
+    "generation_tokens_total",  # counter (SGLang, llama.cpp: added when a request finishes)
     "prompt_tokens_total",  # counter
     "requests_total",  # counter: finished requests (routers: responses)
 )
@@ -93,11 +103,17 @@ ROUTER_KEYS: tuple[str, ...] = (
     "workers_healthy",
     "workers_total",
 )
-COUNTER_KEYS: tuple[str, ...] = ("generation_tokens_total", "prompt_tokens_total", "requests_total")
+COUNTER_KEYS: tuple[str, ...] = (
+    "decode_tokens_total",
+    "generation_tokens_total",
+    "prompt_tokens_total",
+    "requests_total",
+)
 _INT_KEYS = frozenset(
     {
         "running",
         "queued",
+        "decode_tokens_total",
         "generation_tokens_total",
         "prompt_tokens_total",
         "requests_total",
@@ -192,6 +208,11 @@ def canonical_name(name: str) -> str:
 # ---- profiles -------------------------------------------------------------------------
 
 Agg = Literal["sum", "max", "healthy", "live", "oldest"]
+# When a figure moves (reference §1.4): ``live`` as the engine works (read at the scrape),
+# ``sampled`` written by the engine now and then (SGLang's scheduler every 40 decode steps,
+# ~30 s idle), ``finish`` added when a request finishes (SGLang's tokenizer counters):
+# a finish-time counter that stays flat says nothing about tokens being produced.
+Timing = Literal["live", "sampled", "finish"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +224,7 @@ class Source:
     largest ``gt`` label of a non-empty bucket of a non-cumulative age gauge-histogram.
     ``match``: required label values. ``dims``: labels summed within a series.
     ``series_key``: the name of this figure in ``series`` ("" = the figure's key; None =
-    not shown per series).
+    not shown per series). ``timing``: when the figure moves (``Timing``).
     """
 
     name: str
@@ -212,6 +233,7 @@ class Source:
     match: tuple[tuple[str, str], ...] = ()
     dims: tuple[str, ...] = ()
     series_key: str | None = ""
+    timing: Timing = "live"
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +262,11 @@ def _fig(key: str, *sources: Source) -> Figure:
 
 
 _SG_GAUGE = "gauge: refreshed every 40 decode steps, ~30 s when idle"
-_LIVE = "counter: live"
+_SG_REALTIME = (
+    "counter: scheduler-side decode tokens, advanced every decode log interval (40 steps)"
+)
+_SG_FINISH = "counter: added by the tokenizer when a request finishes (flat while streams decode)"
+_VLLM_TOKENS = "counter: live (added every engine step)"
 _VLLM_GAUGE = "gauge: set every engine step (about live)"
 _LC_GAUGE = "gauge: live at scrape"
 _LC_AVG = "gauge: average since the previous /metrics scrape by anyone (llama.cpp resets it on every scrape)"
@@ -254,15 +280,39 @@ PROFILES: dict[str, Profile] = {
             "sglang",
             ("sglang:",),
             (
-                _fig("running", Source("sglang:num_running_reqs", _SG_GAUGE)),
-                _fig("queued", Source("sglang:num_queue_reqs", _SG_GAUGE)),
-                _fig("token_usage", Source("sglang:token_usage", _SG_GAUGE, "max")),
-                _fig("gen_throughput", Source("sglang:gen_throughput", _SG_GAUGE)),
-                _fig("generation_tokens_total", Source("sglang:generation_tokens_total", _LIVE)),
-                _fig("prompt_tokens_total", Source("sglang:prompt_tokens_total", _LIVE)),
+                _fig("running", Source("sglang:num_running_reqs", _SG_GAUGE, timing="sampled")),
+                _fig("queued", Source("sglang:num_queue_reqs", _SG_GAUGE, timing="sampled")),
+                _fig(
+                    "token_usage",
+                    Source("sglang:token_usage", _SG_GAUGE, "max", timing="sampled"),
+                ),
+                _fig(
+                    "gen_throughput", Source("sglang:gen_throughput", _SG_GAUGE, timing="sampled")
+                ),
+                _fig(
+                    "decode_tokens_total",
+                    Source(
+                        "sglang:realtime_tokens_total",
+                        _SG_REALTIME,
+                        match=(("mode", "decode"),),
+                        timing="sampled",
+                    ),
+                ),
+                _fig(
+                    "generation_tokens_total",
+                    Source("sglang:generation_tokens_total", _SG_FINISH, timing="finish"),
+                ),
+                _fig(
+                    "prompt_tokens_total",
+                    Source("sglang:prompt_tokens_total", _SG_FINISH, timing="finish"),
+                ),
                 _fig(
                     "requests_total",
-                    Source("sglang:num_requests_total", "counter: live (finished requests)"),
+                    Source(
+                        "sglang:num_requests_total",
+                        "counter: added when a request finishes",
+                        timing="finish",
+                    ),
                 ),
             ),
         ),
@@ -284,8 +334,14 @@ PROFILES: dict[str, Profile] = {
                         "gauge: v0 engine's average over its log interval",
                     ),
                 ),
-                _fig("generation_tokens_total", Source("vllm:generation_tokens_total", _LIVE)),
-                _fig("prompt_tokens_total", Source("vllm:prompt_tokens_total", _LIVE)),
+                _fig(
+                    "decode_tokens_total",
+                    Source("vllm:generation_tokens_total", _VLLM_TOKENS, series_key=None),
+                ),
+                _fig(
+                    "generation_tokens_total", Source("vllm:generation_tokens_total", _VLLM_TOKENS)
+                ),
+                _fig("prompt_tokens_total", Source("vllm:prompt_tokens_total", _VLLM_TOKENS)),
                 _fig(
                     "requests_total",
                     Source(
@@ -303,21 +359,42 @@ PROFILES: dict[str, Profile] = {
                 _fig("running", Source("llamacpp:requests_processing", _LC_GAUGE)),
                 _fig("queued", Source("llamacpp:requests_deferred", _LC_GAUGE)),
                 _fig("token_usage", Source("llamacpp:kv_cache_usage_ratio", _LC_GAUGE, "max")),
-                _fig("gen_throughput", Source("llamacpp:predicted_tokens_seconds", _LC_AVG)),
                 _fig(
-                    "generation_tokens_total", Source("llamacpp:tokens_predicted_total", _LC_TOKENS)
+                    "gen_throughput",
+                    Source("llamacpp:predicted_tokens_seconds", _LC_AVG, timing="sampled"),
                 ),
-                _fig("prompt_tokens_total", Source("llamacpp:prompt_tokens_total", _LC_TOKENS)),
+                _fig(
+                    "decode_tokens_total",
+                    Source("llamacpp:n_decode_total", "counter: live (decode passes, every pass)"),
+                ),
+                _fig(
+                    "generation_tokens_total",
+                    Source("llamacpp:tokens_predicted_total", _LC_TOKENS, timing="finish"),
+                ),
+                _fig(
+                    "prompt_tokens_total",
+                    Source("llamacpp:prompt_tokens_total", _LC_TOKENS, timing="finish"),
+                ),
             ),
         ),
         Profile(
             "smg",
             ("smg_",),
             (
-                _fig("running", Source("smg_engine_running_requests", _SMG_ENGINE)),
-                _fig("queued", Source("smg_engine_waiting_requests", _SMG_ENGINE)),
-                _fig("token_usage", Source("smg_engine_token_usage", _SMG_ENGINE, "max")),
-                _fig("gen_throughput", Source("smg_engine_gen_throughput", _SMG_ENGINE)),
+                _fig(
+                    "running", Source("smg_engine_running_requests", _SMG_ENGINE, timing="sampled")
+                ),
+                _fig(
+                    "queued", Source("smg_engine_waiting_requests", _SMG_ENGINE, timing="sampled")
+                ),
+                _fig(
+                    "token_usage",
+                    Source("smg_engine_token_usage", _SMG_ENGINE, "max", timing="sampled"),
+                ),
+                _fig(
+                    "gen_throughput",
+                    Source("smg_engine_gen_throughput", _SMG_ENGINE, timing="sampled"),
+                ),
                 _fig(
                     "generation_tokens_total",
                     Source(
@@ -443,6 +520,32 @@ PROFILES: dict[str, Profile] = {
     )
 }
 _ENGINE_PROFILES = ("sglang", "vllm", "llamacpp")
+PROGRESS_KEY = "decode_tokens_total"
+
+
+def progress_delta(deltas: Mapping[str, Any] | None, profile: str | None) -> float | None:
+    """Tokens the engine produced between two samples, from a figure that moves while
+    streams decode (``PROGRESS_KEY``, or a token counter whose timing is live); None when
+    the sample has no such figure (a finish-time counter's delta is not progress)."""
+    if not deltas:
+        return None
+    for key in (PROGRESS_KEY, "generation_tokens_total"):
+        value = _number(deltas.get(key))
+        if value is not None and (key == PROGRESS_KEY or figure_timing(profile, key) == "live"):
+            return value
+    return None
+
+
+def figure_timing(profile: str | None, key: str) -> Timing | None:
+    """When ``key`` moves for ``profile`` (its first source's ``timing``); None when the
+    profile has no such figure. ``/v1/loads`` figures are live whatever this says."""
+    prof = PROFILES.get(profile or "")
+    if prof is None:
+        return None
+    for figure in prof.figures:
+        if figure.key == key:
+            return figure.sources[0].timing
+    return None
 
 
 def detect_profile(families: Iterable[Metric]) -> str:

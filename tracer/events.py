@@ -138,6 +138,10 @@ class CaptureStart(Event):
     upstream: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
     boot_id: str | None = None  # the machine's boot: taps of one boot share a wall clock
+    # what was declared about the tap's place (tracer proxy --upstream-role, --client-facing);
+    # absent: not declared (the ``topology`` record that follows says what was inferred)
+    upstream_role: str | None = None  # engine | router | proxy
+    client_facing: bool | None = None  # the harness connects to this tap directly
 
 
 @_register
@@ -484,3 +488,53 @@ class FaultPlanChanged(Event):
     TYPE: ClassVar[str] = "fault_plan"
     faults: list[str]
     change: Literal["replace", "add", "clear"]
+
+
+@_register
+@dataclass(slots=True, kw_only=True)
+class Topology(Event):
+    """What the tap's upstream is, and what that rests on (``tracer/topology.py``).
+
+    Written once per tap run: at start when the role was declared (``basis``
+    ``declared``), else after the tap's own fingerprint of the upstream (one fresh
+    connection, a few ``GET`` requests, 2 s at most; never client traffic).
+    ``upstream_role``: ``engine``, ``router`` (the SGLang router), ``proxy`` (a hop that is
+    not the serving stack: declared, or inferred from a ``Via``/``Server`` header that
+    names one) or ``unknown`` (``basis`` ``unknown``: nothing identified it, or what
+    answered could not be placed at the upstream itself rather than behind a hop; maybe
+    a proxy). ``evidence``: short sentences, one per answer or fact. ``server``: what
+    answered, e.g. ``{"kind": "sglang", "version": ..., "max_running_requests": ...}``.
+    """
+
+    TYPE: ClassVar[str] = "topology"
+    upstream: str
+    upstream_role: Literal["engine", "router", "proxy", "unknown"]
+    basis: Literal["declared", "inferred", "unknown"]
+    evidence: list[str] = field(default_factory=list)
+    client_facing: bool = False
+    server: dict[str, Any] | None = None
+    elapsed: float | None = None  # seconds the fingerprint took (absent when declared)
+
+
+@_register
+@dataclass(slots=True, kw_only=True)
+class TapLag(Event):
+    """The tap's own event loop ran late: its periodic tick woke later than due.
+
+    The tick runs every ``interval`` seconds; each tick's lateness is one subtraction.
+    Written at the end of a window (about 1 s, so at most one a second) in which some
+    tick was more than ``threshold`` seconds late: ``max_lag`` is the worst lateness,
+    ``max_lag_at`` (monotonic, like ``m``) when that tick finally ran, so the loop was
+    blocked over at least [``max_lag_at - max_lag``, ``max_lag_at``]. A block shorter
+    than ``interval`` may fall between two ticks and be missed or measured short.
+    """
+
+    TYPE: ClassVar[str] = "tap_lag"
+    window_start: float  # monotonic seconds (like ``m``) when the window began
+    window: float  # its length in seconds
+    max_lag: float
+    max_lag_at: float
+    late_ticks: int  # ticks later than ``threshold``
+    ticks: int  # ticks in the window
+    threshold: float
+    interval: float

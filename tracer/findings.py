@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 from urllib.parse import urlsplit
 
+from . import engines
 from .analysis import ZERO_GAP, ConnectionRow, RequestRow
 from .spill import ChunkLog, SortedSpool
 
@@ -73,6 +74,14 @@ RACE_WINDOW = 0.010
 # next request, at the tap in front, which never reaches the faulting tap
 CLOSING_FAULTS = frozenset({"close-idle-after"})
 SPILL_ITEMS = 16384  # join records (a few small fields each) in memory before a run spills
+# A progress figure must stay flat this long, and FLAT_CADENCES times as long as the
+# engine takes between writes of it (SGLang: every 40 decode steps), to mean "no progress".
+MIN_FLAT = 1.5
+FLAT_CADENCES = 2.0
+TOGETHER = 0.5  # seconds: streams whose silences began this close stopped together
+LOST_MARGIN = 0.2  # seconds after reaching the tap before a request must be counted
+UNCOUNTED_CHECKS = 64  # hang windows checked against the engines' counts (a pass each)
+SAMPLED_CADENCE = 5.0  # seconds assumed between writes of a sampled figure never seen move
 
 
 @dataclass
@@ -96,21 +105,37 @@ class Evidence:
     # client connections that failed before a first request (the first few; the count)
     client_failures: list[dict[str, Any]] = field(default_factory=list)
     client_failures_total: int = 0
+    # windows where a tap's own event loop ran late (``tap_lag`` records, wall times)
+    lags: list[dict[str, Any]] = field(default_factory=list)
     # filled by ``find``: adjacent taps, client side first, with the median of t(b) - t(a)
     # over the requests both saw (clock offset plus the hop's transit time)
     tap_pairs: list[dict[str, Any]] = field(default_factory=list)
+    # filled by ``find``: the chain of hops the evidence shows, and why
+    topology: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class EngineView:
-    """What the serving stack's own metrics said during a time window."""
+    """What the serving stack's own metrics said during a time window.
+
+    ``progress`` counts tokens from a figure that moves while streams decode (SGLang's
+    ``realtime_tokens_total{mode="decode"}``, vLLM's token counter: ``engines.
+    progress_delta``) over ``progress_span`` seconds of samples inside the window;
+    ``finished`` is the finish-time token counter's increase (SGLang's tokenizer adds a
+    request's tokens only when it ends), quoted but never read as "no tokens".
+    ``cadence``: how often the progress figure is written on this engine (sampled
+    figures), so that a flat stretch shorter than it proves nothing.
+    """
 
     samples: int = 0
     urls: int = 0
     failures: int = 0
     running_max: int | None = None
     queued_max: int | None = None
-    tokens: float | None = None  # generation tokens produced in the window (counters)
+    progress: float | None = None
+    progress_span: float = 0.0
+    finished: float | None = None
+    cadence: float = 0.0
     router_in_flight: int | None = None
     start: float = 0.0
     end: float = 0.0
@@ -120,28 +145,56 @@ class EngineView:
         return self.samples > 0
 
     @property
+    def flat_long_enough(self) -> bool:
+        """The progress figure stayed flat over enough of the window to mean it."""
+        return self.progress == 0 and self.progress_span >= max(
+            MIN_FLAT, FLAT_CADENCES * self.cadence
+        )
+
+    @property
     def idle(self) -> bool:
         return (
-            self.known and self.running_max == 0 and (self.queued_max or 0) == 0 and not self.tokens
+            self.known
+            and self.running_max == 0
+            and (self.queued_max or 0) == 0
+            and not self.progress
+            and not self.finished
         )
 
     @property
     def wedged(self) -> bool:
-        return self.known and (self.running_max or 0) >= 1 and self.tokens == 0
+        """Running work and no progress, from a figure that would have moved: positive
+        evidence of a stall (a finish-time counter alone can never say this)."""
+        return self.known and (self.running_max or 0) >= 1 and self.flat_long_enough
 
     @property
-    def busy(self) -> bool:
+    def loaded(self) -> bool:
+        """Requests running or queued and no sign of a wedge: load (a queue, a full batch)."""
         return (
             self.known
             and ((self.running_max or 0) + (self.queued_max or 0)) >= 1
-            and bool(self.tokens)
+            and not self.wedged
         )
 
+    @property
+    def busy(self) -> bool:
+        return self.loaded
+
+    @property
+    def producing(self) -> bool:
+        """Tokens were produced in the window (progress, or requests finishing)."""
+        return bool(self.progress) or bool(self.finished)
+
     def quote(self) -> str:
-        tokens = "unknown" if self.tokens is None else f"+{self.tokens:g}"
+        progress = (
+            "no progress figure"
+            if self.progress is None
+            else f"decode progress +{self.progress:g} tokens over {self.progress_span:.1f} s"
+        )
+        finished = "" if self.finished is None else f", finished-request tokens +{self.finished:g}"
         text = (
             f"engine metrics {_ts(self.start)} to {_ts(self.end)}: running≤{self.running_max}, "
-            f"queued≤{self.queued_max}, generation tokens {tokens} "
+            f"queued≤{self.queued_max}, {progress}{finished} "
             f"({self.samples} samples from {self.urls} URL(s))"
         )
         if self.router_in_flight is not None:
@@ -180,6 +233,20 @@ def _delivery_kind(r: RequestRow) -> str | None:
     return None
 
 
+def _bursts(r: RequestRow) -> bool:
+    """Events that came in a few bursts with long waits between (a hop releasing the
+    stream buffer by buffer: nginx's 4 KiB pieces). Only told against a copy of the same
+    stream that flowed at a tap behind (``_buffered_between``): alone it proves nothing."""
+    return (
+        r.sse
+        and r.event_gaps >= 8
+        and r.events >= 5
+        and r.max_gap is not None
+        and r.max_gap >= BURST_GAP
+        and r.zero_gaps >= 0.8 * r.event_gaps
+    )
+
+
 def _worth_keeping(r: RequestRow) -> bool:
     """Whether any analyzer could make a finding of this request (the union of what they
     look at, wider where that is cheaper to say): these rows stay in memory, the healthy
@@ -195,6 +262,7 @@ def _worth_keeping(r: RequestRow) -> bool:
         or (r.sse and r.events > 0 and not r.done and r.finish_reason is None)
         or (r.first_token is not None and r.first_token >= SLOW_FIRST_TOKEN)
         or _delivery_kind(r) is not None
+        or _bursts(r)
     )
 
 
@@ -450,6 +518,9 @@ class Context:
 
     def __init__(self, e: Evidence) -> None:
         self.e = e
+        e.client_facing = e.client_facing | {
+            tap for tap, t in e.taps.items() if (t.get("topology") or {}).get("client_facing")
+        }
         urls = e.sample_urls
         if urls is None:
             urls = {s["url"] for s in e.engine} | {h["url"] for h in e.health}
@@ -473,6 +544,12 @@ class Context:
         self._fresh: dict[int, tuple[int, RequestRow | None]] | None = None
         self._joined: _Joined | None = None
         self._serving_conns: set[tuple[str, int]] | None = None  # see upstream_is_serving
+        self._cadences: dict[str, float] | None = None  # see _cadence
+        self._uncounted_checks = 0  # see uncounted
+        self._together: dict[str, list[tuple[float, str]]] | None = None  # stopped_together
+        self._completions: dict[tuple[str, float], bool] = {}
+        # per tap: requests on fresh connections that completed, and that did not
+        self.fresh_outcomes: dict[str, tuple[int, int]] = {}
         self._scan()
         self.order = self._tap_order()
 
@@ -493,6 +570,10 @@ class Context:
                 if not r.method:
                     continue
                 self.counts[r.tap] += 1
+                if not r.reused:
+                    ok, bad = self.fresh_outcomes.get(r.tap, (0, 0))
+                    complete = r.termination == "complete"
+                    self.fresh_outcomes[r.tap] = (ok + complete, bad + (not complete))
                 if self.marks:
                     self._count_marks(r)
                 wait = _first_event_wait(r)
@@ -500,7 +581,7 @@ class Context:
                     self.first_waits[r.tap].add(r.reused, wait, pos)
                 if joining:
                     rel = _relevant_at_front(r, end)
-                    coal = _delivery_kind(r) == "coalesced"
+                    coal = _delivery_kind(r) is not None or _bursts(r)  # bunched, buffered
                     end_at = r.end if r.end is not None else -1.0  # (-1: still open)
                     if r.retry_count is not None:
                         self._retry_taps.add(r.tap)
@@ -806,13 +887,29 @@ class Context:
 
     # -- queries -----------------------------------------------------------------------
 
+    def role(self, tap: str) -> str | None:
+        """What the tap's upstream is, as declared or fingerprinted (``topology``
+        records): ``engine``, ``router``, ``proxy``; None when nothing identified it."""
+        topo = self.e.taps.get(tap, {}).get("topology") or {}
+        role = topo.get("upstream_role")
+        return role if role in ("engine", "router", "proxy") else None
+
+    def tap_serving(self, tap: str) -> bool | None:
+        """Whether the tap's one upstream is the serving stack (None: a tap without one)."""
+        role = self.role(tap)
+        if role is not None:
+            return role != "proxy"
+        upstream = self.e.taps.get(tap, {}).get("upstream")
+        return _base(str(upstream)) in self.serving_hosts if upstream else None
+
     def upstream_is_serving(self, r: RequestRow) -> bool:
-        """Whether the hop after the request's tap is the serving stack: the tap's
-        upstream, or for a tap without one (a forward proxy: mitmproxy's regular mode)
-        the address its connection went to."""
-        upstream = self.e.taps.get(r.tap, {}).get("upstream")
-        if upstream:
-            return _base(str(upstream)) in self.serving_hosts
+        """Whether the hop after the request's tap is the serving stack: as the tap's
+        topology says (declared wins, then its fingerprint); else the tap's upstream is
+        an engine or health URL's host, or for a tap without one (a forward proxy:
+        mitmproxy's regular mode) the address its connection went to is."""
+        serving = self.tap_serving(r.tap)
+        if serving is not None:
+            return serving
         if self._serving_conns is None:
             self._serving_conns = {
                 (c.tap, c.conn)
@@ -870,11 +967,14 @@ class Context:
 
         running/queued come from SGLang's live ``/v1/loads`` samples when the capture has
         them (its gauges can be 30 s old), else from the metrics gauges; progress comes
-        from the token counters' deltas inside the window.
+        from the deltas of a figure that moves while streams decode (``engines.
+        progress_delta``) whose interval lies inside the window; finish-time token
+        counters are kept apart (``EngineView.finished``).
         """
         view = EngineView(start=start, end=end)
         urls: set[str] = set()
-        tokens: float | None = None
+        spans: dict[str, float] = defaultdict(float)
+        owner: dict[str, Any] = {}  # the tap whose samples of a URL count its deltas
         gauges: list[tuple[float, dict[str, Any]]] = []
         live: list[tuple[float, dict[str, Any]]] = []
         for s in self._engine_between(start - 1.5, end + 1.5):
@@ -894,9 +994,21 @@ class Context:
             urls.add(s["url"])
             (live if s.get("source") == "loads" else gauges).append((s["t"], state))
             deltas = s.get("deltas") or {}
-            since = s["t"] - (s.get("interval") or 0.0)  # the delta covers (since, t]
-            if since >= start and s["t"] <= end and "generation_tokens_total" in deltas:
-                tokens = (tokens or 0.0) + float(deltas["generation_tokens_total"] or 0)
+            interval = s.get("interval") or 0.0
+            if not deltas or s["t"] - interval < start or s["t"] > end:
+                continue  # the delta covers (t - interval, t]: only those inside count
+            if owner.setdefault(s["url"], s.get("tap")) != s.get("tap"):
+                continue  # the same engine polled by another tap too: counted once
+            progress = engines.progress_delta(deltas, profile)
+            if progress is not None:
+                view.progress = (view.progress or 0.0) + progress
+                spans[s["url"]] += interval
+                view.cadence = max(view.cadence, self._cadence(s["url"]))
+            finished = deltas.get("generation_tokens_total")
+            if finished is not None and (
+                engines.figure_timing(profile, "generation_tokens_total") == "finish"
+            ):
+                view.finished = (view.finished or 0.0) + float(finished)
         chosen = live or gauges
         inside = [(t, st) for t, st in chosen if start <= t <= end]
         for _, state in inside or chosen:  # samples around it only when none fell inside
@@ -906,8 +1018,128 @@ class Context:
             if queued is not None:
                 view.queued_max = max(view.queued_max or 0, int(queued))
         view.urls = len(urls)
-        view.tokens = tokens
+        view.progress_span = max(spans.values(), default=0.0)
         return view
+
+    def _cadence(self, url: str) -> float:
+        """Seconds between writes of this engine's progress figure: the scrape interval
+        for a live figure; for a sampled one (SGLang writes it every 40 decode steps) the
+        median gap between the increases seen while it ran requests, or
+        ``SAMPLED_CADENCE`` when it was never seen to move twice."""
+        if self._cadences is None:
+            self._cadences = self._find_cadences()
+        return self._cadences.get(url, SAMPLED_CADENCE)
+
+    def _find_cadences(self) -> dict[str, float]:
+        rises: dict[str, list[float]] = defaultdict(list)
+        intervals: dict[str, list[float]] = defaultdict(list)
+        timing: dict[str, str | None] = {}
+        for s in self.e.engine:
+            if not s["ok"] or s.get("profile") not in ENGINE_PROFILES:
+                continue
+            url, deltas = s["url"], s.get("deltas")
+            progress = engines.progress_delta(deltas, s.get("profile"))
+            if progress is None:
+                continue
+            if url not in timing:
+                key = engines.PROGRESS_KEY if engines.PROGRESS_KEY in (deltas or {}) else ""
+                timing[url] = engines.figure_timing(s.get("profile"), key) if key else "live"
+            if s.get("interval") and len(intervals[url]) < 1024:
+                intervals[url].append(float(s["interval"]))
+            if progress > 0 and len(rises[url]) < 4096:
+                rises[url].append(float(s["t"]))
+        out: dict[str, float] = {}
+        for url, kind in timing.items():
+            if kind == "live":
+                out[url] = statistics.median(intervals[url]) if intervals[url] else 1.0
+                continue
+            gaps = [b - a for a, b in itertools.pairwise(rises[url])]
+            out[url] = statistics.median(gaps) if len(gaps) >= 2 else SAMPLED_CADENCE
+        return out
+
+    def uncounted(self, r: RequestRow, start: float, end: float) -> tuple[int, int] | None:
+        """(requests in flight at the tap, the engines' running + queued) at a moment of
+        the window when the engines counted fewer, if they did at half the moments or more: some
+        request the tap handed to the serving stack is neither running nor queued there.
+        Read from live figures only (``/v1/loads``, or gauges whose timing is live): a
+        sampled gauge written before a request came cannot count it. Each engine's
+        latest figure is summed (other clients only add to it); a request counts as in
+        flight from ``LOST_MARGIN`` after it reached the tap. None otherwise, or past
+        ``UNCOUNTED_CHECKS`` windows (each costs a pass over the rows)."""
+        if end - start < MIN_FLAT or self._uncounted_checks >= UNCOUNTED_CHECKS:
+            return None
+        points: list[tuple[float, str, int]] = []
+        for s in self._engine_between(start, end):
+            state = s.get("state") or {}
+            profile = s.get("profile")
+            if not s["ok"] or profile not in ENGINE_PROFILES or state.get("running") is None:
+                continue
+            live = s.get("source") == "loads" or engines.figure_timing(profile, "running") == "live"
+            if live:
+                points.append(
+                    (s["t"], s["url"], int(state["running"]) + int(state.get("queued") or 0))
+                )
+        if len(points) < 2:
+            return None
+        self._uncounted_checks += 1
+        spans = [
+            (o.start, math.inf if o.end is None else o.end)
+            for o in self.e.requests
+            if o.tap == r.tap and o.method and o.start <= end and (o.end is None or o.end >= start)
+        ]
+        latest: dict[str, int] = {}
+        short: list[tuple[int, int]] = []
+        for t, url, count in sorted(points):
+            latest[url] = count
+            counted = sum(latest.values())
+            in_flight = sum(1 for a, b in spans if a <= t - LOST_MARGIN and b >= t)
+            if in_flight > counted:
+                short.append((in_flight, counted))
+        if len(short) < 2 or len(short) * 2 < len(points):
+            return None
+        return max(short)
+
+    def stopped_together(self, r: RequestRow, start: float) -> int:
+        """How many other streams at the request's tap went silent from upstream within
+        ``TOGETHER`` of ``start`` (a stall of theirs began then) while no request at the
+        tap completed in the ``TOGETHER`` after it: everything from that upstream stopped
+        at once (an engine that wedged), not one stream."""
+        if self._together is None:
+            self._together = self._find_together()
+        starts = self._together.get(r.tap)
+        if not starts:
+            return 0
+        lo, hi = bisect_left(starts, (start - TOGETHER,)), bisect_right(starts, (start + TOGETHER,))
+        others = [s for s in starts[lo:hi] if s[1] != r.id]
+        if not others:
+            return 0
+        if self._completed_near(r.tap, start):
+            return 0
+        return len({rid for _, rid in others})
+
+    def _find_together(self) -> dict[str, list[tuple[float, str]]]:
+        out: dict[str, list[tuple[float, str]]] = defaultdict(list)
+        for o in self.interesting:
+            silence = _upstream_silence(o) if o.method else None
+            if silence is not None and _began_before(o, silence["start"]):
+                out[o.tap].append((silence["start"], o.id))
+        for starts in out.values():
+            starts.sort()
+        return out
+
+    def _completed_near(self, tap: str, start: float) -> bool:
+        """A request at the tap completed within ``TOGETHER`` after ``start`` (one pass
+        over the rows per question; asked only where streams stopped together)."""
+        key = (tap, round(start, 3))
+        if key not in self._completions:
+            self._completions[key] = any(
+                o.tap == tap
+                and o.termination == "complete"
+                and o.end is not None
+                and start <= o.end <= start + TOGETHER
+                for o in self.e.requests
+            )
+        return self._completions[key]
 
     def probes_during(self, start: float, end: float, r: RequestRow) -> list[dict[str, Any]]:
         return [
@@ -916,6 +1148,17 @@ class Context:
             if p["tap"] == r.tap
             and (start - 0.5 <= p["t"] <= end + 0.5 or p["trigger"] == [r.conn, r.seq])
         ]
+
+    def reuse_implicated(self, r: RequestRow, answered: bool) -> bool:
+        """Whether the evidence ties a hang to the reuse of its connection: it was on a
+        reused one and fresh connections answered meanwhile, or at its tap only requests
+        on reused connections failed while some on fresh ones completed."""
+        if not r.reused:
+            return False
+        if answered:
+            return True
+        fresh_ok, fresh_bad = self.fresh_outcomes.get(r.tap, (0, 0))
+        return fresh_ok > 0 and fresh_bad == 0
 
     def fresh_completed(self, r: RequestRow) -> tuple[int, RequestRow | None]:
         """Requests on fresh connections of the same tap that completed during the
@@ -1025,6 +1268,14 @@ def _outcome_quote(r: RequestRow) -> str:
     return ", ".join(parts)
 
 
+def _probe_quote(p: dict[str, Any]) -> str:
+    return (
+        f"probe {_ts(p['t'])} {p['target']} {p['url']} over a fresh connection: {p['outcome']}"
+        + (f" in {p['latency']:.3f} s" if p.get("latency") is not None else "")
+        + (f" ({p['reason']})" if p.get("reason") else "")
+    )
+
+
 def _hang_window(r: RequestRow, end: float | None) -> tuple[float, float] | None:
     """When the request sat with no bytes arriving from upstream, if it did."""
     if _gone_before(r) is not None:
@@ -1112,13 +1363,7 @@ def analyze_request_hangs(ctx: Context) -> list[dict[str, Any]]:
             evidence.append(view.quote())
         probes = ctx.probes_during(start, end, r)
         fresh_ok = [p for p in probes if p["outcome"] == "ok"]
-        evidence += [
-            f"probe {_ts(p['t'])} {p['target']} {p['url']} over a fresh connection: "
-            f"{p['outcome']}"
-            + (f" in {p['latency']:.3f} s" if p.get("latency") is not None else "")
-            + (f" ({p['reason']})" if p.get("reason") else "")
-            for p in probes
-        ]
+        evidence += [_probe_quote(p) for p in probes]
         fresh, example = ctx.fresh_completed(r)
         if example is not None:
             evidence.append(
@@ -1137,14 +1382,15 @@ def analyze_request_hangs(ctx: Context) -> list[dict[str, Any]]:
                 _finding(
                     kind,
                     "engine",
-                    "The engine held the request running while its token counters stayed flat.",
+                    "The engine held the request running while its decode progress stayed flat.",
                     [r],
                     evidence,
                     [
                         client_ok,
                         {
                             "party": "proxy",
-                            "why": "the engine reports the request running yet produced no tokens",
+                            "why": "the engine reports requests running and its decode "
+                            "progress figure did not move",
                         },
                     ],
                     "high",
@@ -1170,11 +1416,12 @@ def analyze_request_hangs(ctx: Context) -> list[dict[str, Any]]:
                 continue
             serving = ctx.upstream_is_serving(r)
             answered = bool(fresh_ok or fresh)
-            kind = "proxy_hung_on_reuse" if r.reused else "proxy_swallowed_request"
+            reuse = ctx.reuse_implicated(r, answered)
+            kind = "proxy_hung_on_reuse" if reuse else "proxy_swallowed_request"
             party = "engine" if serving else "proxy"
             if serving:  # the tap's upstream is the serving stack: it lost the request
                 kind = "engine_lost_request"
-            what = f"held the {_reused_words(r)}" if r.reused else "swallowed the request"
+            what = f"held the {_reused_words(r)}" if reuse else "swallowed the request"
             # the tap's upstream is a hop in between, or the serving stack's own front
             # (the router's or the engine's HTTP server): say which
             who = "The serving stack behind tap" if serving else "The hop after tap"
@@ -1207,15 +1454,82 @@ def analyze_request_hangs(ctx: Context) -> list[dict[str, Any]]:
                 )
             )
             continue
-        if view.busy and not mid_stream and r.termination == "complete":
-            continue  # it was answered, late: queued under load (the load analyzer's note)
-        if mid_stream and view.known and view.tokens:
+        serving = ctx.upstream_is_serving(r)
+        uncounted = (
+            ctx.uncounted(r, start, end)
+            if serving and not mid_stream and r.status is None and (view.producing or fresh)
+            else None
+        )
+        if uncounted is not None:
+            in_flight, counted = uncounted
             out.append(
                 _finding(
-                    "proxy_held_stream"
-                    if not ctx.upstream_is_serving(r)
-                    else "engine_stall_mid_stream",
-                    "proxy" if not ctx.upstream_is_serving(r) else "engine",
+                    "engine_lost_request",
+                    "engine",
+                    f"The serving stack behind tap {r.tap} lost the request: with {in_flight} "
+                    f"request(s) in flight at the tap the engines counted {counted} running "
+                    "or queued, and answered others meanwhile.",
+                    [r],
+                    [
+                        *evidence,
+                        f"{in_flight} request(s) in flight at tap {r.tap} while the engines' "
+                        f"live running + queued said {counted}, at most moments from "
+                        f"{_ts(start)} to {_ts(end)}",
+                    ],
+                    [
+                        client_ok,
+                        {"party": "proxy", "why": "the tap's upstream is the serving stack itself"},
+                    ],
+                    "high",
+                    t=start,
+                    settle=None
+                    if ctx.role(r.tap) == "engine"
+                    else "the router's own metrics (in flight per worker) would tell the "
+                    "router from an engine",
+                )
+            )
+            continue
+        answered_late = r.status is not None and (
+            r.response_bytes > 0 or r.termination == "complete"
+        )
+        if view.loaded and not mid_stream and answered_late:
+            continue  # it was answered, late: queued under load (the load analyzer's note)
+        if mid_stream and serving:
+            # its bytes stopped mid-stream with no hop between the tap and the serving stack
+            together = ctx.stopped_together(r, start)
+            if together:
+                evidence.append(
+                    f"{together} other stream(s) at tap {r.tap} went silent within "
+                    f"{TOGETHER:g} s of it, and no request there completed meanwhile"
+                )
+            out.append(
+                _finding(
+                    "engine_stall_mid_stream",
+                    "engine",
+                    "The stream stopped mid-way together with the others from the serving "
+                    "stack, at a tap whose upstream is the serving stack itself."
+                    if together
+                    else "The stream stopped mid-way at a tap whose upstream is the serving "
+                    "stack itself.",
+                    [r],
+                    evidence,
+                    [
+                        client_ok,
+                        {
+                            "party": "proxy",
+                            "why": "there is no hop between the tap and the serving stack",
+                        },
+                    ],
+                    "high" if view.producing or together else "medium",
+                    t=start,
+                )
+            )
+            continue
+        if mid_stream and view.producing:
+            out.append(
+                _finding(
+                    "proxy_held_stream",
+                    "proxy",
                     "Tokens were generated while none reached the tap.",
                     [r],
                     evidence,
@@ -1225,11 +1539,36 @@ def analyze_request_hangs(ctx: Context) -> list[dict[str, Any]]:
                 )
             )
             continue
+        if serving:
+            out.append(
+                _finding(
+                    "upstream_silent",
+                    "engine",
+                    "The serving stack held the request without answering; its figures do not "
+                    "tell a stall from a wait.",
+                    [r],
+                    evidence,
+                    [
+                        client_ok,
+                        {"party": "proxy", "why": "the tap's upstream is the serving stack itself"},
+                    ],
+                    "medium",
+                    settle="a decode-progress figure (SGLang's realtime_tokens_total with "
+                    "--enable-metrics, vLLM's generation_tokens_total) or /v1/loads would tell "
+                    "a stalled engine from a busy one"
+                    if view.known
+                    else "give --engine-metrics so the engine's own state during the silence "
+                    "can tell a stall from a wait",
+                    t=start,
+                )
+            )
+            continue
         settle = (
             "give --engine-metrics (and --probe-on-stall) so the engine's own state during "
             "the silence can decide between the engine and a hop in between"
             if not view.known
-            else "place a second tap between the proxy and the router"
+            else f"place a second tap behind the hop after tap {r.tap}, in front of the "
+            "serving stack"
         )
         out.append(
             _finding(
@@ -1511,15 +1850,25 @@ def analyze_delivery(ctx: Context) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for r in ctx.interesting:
         kind = _delivery_kind(r)
-        if kind is None or r.first_event is None or r.last_event is None:
+        if r.first_event is None or r.last_event is None or (kind is None and not _bursts(r)):
             continue
         zero = r.zero_gaps / r.event_gaps
         spread = r.last_event - r.first_event
         duration = (r.end or r.last_event) - r.start
-        seen = ctx.seen_with(r) if kind == "coalesced" else {}
+        seen = ctx.seen_with(r)
         steady = next((seen[t] for t in ctx.next_taps(r.tap) if t in seen), None)
-        if steady is not None and steady.event_gaps >= 8 and _delivery_kind(steady) is None:
-            out.append(_coalesced_between(r, steady))
+        if (
+            steady is not None
+            and steady.event_gaps >= 8
+            and _delivery_kind(steady) is None
+            and not _bursts(steady)
+        ):
+            if kind == "coalesced":
+                out.append(_coalesced_between(r, steady))
+            elif kind == "buffered" or (steady.max_gap or 0.0) * 4 < (r.max_gap or 0.0):
+                out.append(_buffered_between(r, steady))
+        elif kind is None:
+            continue  # bursts alone prove nothing
         elif kind == "coalesced":
             out.append(
                 _finding(
@@ -1540,7 +1889,7 @@ def analyze_delivery(ctx: Context) -> list[dict[str, Any]]:
             )
         else:
             view = ctx.engine_view(r.start, r.end or r.last_event)
-            party = "proxy" if view.tokens and not ctx.upstream_is_serving(r) else "unknown"
+            party = "proxy" if view.producing and not ctx.upstream_is_serving(r) else "unknown"
             out.append(
                 _finding(
                     "buffered_response",
@@ -1589,6 +1938,41 @@ def _coalesced_between(r: RequestRow, steady: RequestRow) -> dict[str, Any]:
         [
             {"party": "client", "why": "bunching is seen before the client"},
             {"party": "engine", "why": f"the events passed tap {steady.tap} steadily"},
+        ],
+        "high",
+        t=r.first_event,
+    )
+
+
+def _buffered_between(r: RequestRow, steady: RequestRow) -> dict[str, Any]:
+    """In one burst at one tap, spread over the stream at the next one toward the engine
+    (whatever the hop did to the framing between: chunked in front, close-delimited
+    behind an HTTP/1.0 upstream): the hop between buffered it."""
+    assert r.first_event is not None and r.last_event is not None
+    spread = r.last_event - r.first_event
+    steady_spread = (steady.last_event or 0.0) - (steady.first_event or 0.0)
+    whole = _delivery_kind(r) == "buffered"
+    return _finding(
+        "buffered_response",
+        "proxy",
+        f"The stream arrived at tap {r.tap} "
+        + ("in one burst at its end" if whole else "in bursts with long waits between")
+        + f" while tap {steady.tap} received it as it came: the hop between tap {r.tap} and "
+        f"tap {steady.tap} buffered it (as nginx with proxy_buffering on does).",
+        [r, steady],
+        [
+            _req_quote(r),
+            f"at tap {r.tap}: {r.events} events over {spread:.3f} s, "
+            f"{r.zero_gaps} of {r.event_gaps} gaps < 1 ms, longest gap {r.max_gap or 0.0:.3g} s, "
+            f"first {(r.first_event - r.start):.3f} s after the request",
+            _req_quote(steady),
+            f"at tap {steady.tap}: {steady.events} events over {steady_spread:.3f} s, "
+            f"longest gap {steady.max_gap or 0.0:.3g} s"
+            + (f", HTTP/{steady.version}" if steady.version else ""),
+        ],
+        [
+            {"party": "client", "why": "the burst is seen before the client"},
+            {"party": "engine", "why": f"the events passed tap {steady.tap} as they came"},
         ],
         "high",
         t=r.first_event,
@@ -1804,6 +2188,14 @@ def analyze_marks(ctx: Context) -> list[dict[str, Any]]:
 # nothing went wrong with a request (a port scanner's failed TLS handshake must not
 # hide the stall that hung the harness)
 NO_REQUEST_KINDS = {"client_connection_failed"}
+MARK_KINDS = {"client_idle_hang", "idle_at_hang"}  # findings about a --hang-at mark
+# findings read from timing statistics alone (bunching): they yield the verdict to hard
+# evidence (a request never seen at the next tap, bytes that stopped, a status)
+TIMING_KINDS = {"delivery_coalesced", "first_event_held"}
+GROUP_EVIDENCE = 40  # evidence items kept in a finding that stands for several
+BURST_GAP = 0.25  # seconds: a wait between bursts no decode step explains
+LAG_LIMIT = 0.030  # a tap whose loop ran this late cannot tell 30-60 ms bunches apart
+LAG_REACH = 5.0  # seconds after a finding's time that a starved window still bears on it
 
 ANALYZERS = [
     analyze_request_hangs,
@@ -1859,10 +2251,14 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
                 continue
             if stopped:
                 view = ctx.engine_view(*(window or (front.start, front.end or front.start)))
-                kind = "proxy_hung_on_reuse" if seen[last].reused else "proxy_swallowed_request"
+                fresh, _ = ctx.fresh_completed(seen[last])
+                reuse = ctx.reuse_implicated(seen[last], bool(fresh))
+                kind = "proxy_hung_on_reuse" if reuse else "proxy_swallowed_request"
                 evidence = [_req_quote(seen[t]) for t in taps] + [never, _outcome_quote(front)]
                 if view.known:
                     evidence.append(view.quote())
+                if window is not None:  # what the tap's own probes found meanwhile
+                    evidence += [_probe_quote(p) for p in ctx.probes_during(*window, seen[taps[0]])]
                 ruled = [
                     {"party": "client", "why": f"the request reached tap {last} complete"},
                     {
@@ -1878,7 +2274,7 @@ def _join_taps(ctx: Context, findings: list[dict[str, Any]]) -> list[dict[str, A
                         f"The hop between tap {last} and tap {after} "
                         + (
                             f"held the {_reused_words(seen[last])}"
-                            if seen[last].reused
+                            if reuse
                             else "swallowed the request"
                         )
                         + ": it never reached the next tap.",
@@ -1997,7 +2393,7 @@ def _cut_between(
     timeout meeting an engine's pause: both are findings)."""
     evidence = [_req_quote(front), _outcome_quote(front), _outcome_quote(back)]
     if waited is not None:
-        return _finding(
+        cut = _finding(
             "proxy_cut_stream",
             "proxy",
             f"The hop between tap {front.tap} and tap {back.tap} cut the stream after tap "
@@ -2011,6 +2407,8 @@ def _cut_between(
             "hop's timeout may be shorter than the engine's pauses",
             t=front.end,
         )
+        cut["after_silence"] = back.id  # the silence behind came first
+        return cut
     whole = "ended complete" if back.termination == "complete" else "was still flowing"
     return _finding(
         "proxy_cut_stream",
@@ -2040,7 +2438,7 @@ def _answered_between(rows: list[RequestRow]) -> dict[str, Any] | None:
             )
         else:
             what = f"tap {back.tap} got {back.status} ({back.termination})"
-        return _finding(
+        answered = _finding(
             "proxy_error_status",
             "proxy",
             f"The hop between tap {front.tap} and tap {back.tap} answered {status} itself: {what}.",
@@ -2057,6 +2455,9 @@ def _answered_between(rows: list[RequestRow]) -> dict[str, Any] | None:
             "than the engine's time to first token",
             t=front.end,
         )
+        if back.status is None and _upstream_silence(back) is not None:
+            answered["after_silence"] = back.id  # the silence behind came first
+        return answered
     return None
 
 
@@ -2362,19 +2763,159 @@ def _injected_note(
     }
 
 
+def _lagged(ctx: Context, f: dict[str, Any]) -> dict[str, Any] | None:
+    """The worst window in which a tap of the finding was itself starved (its event loop
+    blocked past ``LAG_LIMIT``) around the finding's time."""
+    if not ctx.e.lags or f["t"] is None:
+        return None
+    taps = {c.split("/", 1)[0] for c in f["connections"]}
+    t = float(f["t"])
+    around = [
+        lag
+        for lag in ctx.e.lags
+        if lag["tap"] in taps
+        and lag["max_lag"] >= LAG_LIMIT
+        and lag["start"] - 1.0 <= t + LAG_REACH
+        and t - 1.0 <= lag["end"]
+    ]
+    return max(around, key=lambda lag: lag["max_lag"], default=None)
+
+
+def _discount_starved(ctx: Context, findings: list[dict[str, Any]]) -> None:
+    """A timing heuristic at a tap that was itself starved cannot testify about
+    milliseconds: the finding becomes a note, with the lag quoted."""
+    for f in findings:
+        if f["kind"] not in TIMING_KINDS or f["note"]:
+            continue
+        lag = _lagged(ctx, f)
+        if lag is None:
+            continue
+        f["note"] = True
+        f["confidence"] = "low"
+        f["evidence"].append(
+            f"tap {lag['tap']} itself ran late around then: its event loop was blocked up to "
+            f"{lag['max_lag'] * 1000:.0f} ms ({_ts(lag['blocked'][0])} to "
+            f"{_ts(lag['blocked'][1])}): its timings cannot testify about tens of ms"
+        )
+        f["summary"] += " (The tap itself was starved then: a note, not a verdict.)"
+
+
+def _grouped(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Identical findings (the same kind, party, confidence and summary: the same fault
+    met by several requests) as one, naming all their requests; its evidence keeps the
+    first ``GROUP_EVIDENCE`` items and says how many findings it stands for."""
+    out: list[dict[str, Any]] = []
+    first: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for f in findings:
+        key = (f["kind"], f["party"], f["confidence"], f["note"], f["summary"])
+        group = first.get(key)
+        if group is None:
+            first[key] = f
+            out.append(f)
+            continue
+        group["requests"] += [q for q in f["requests"] if q not in group["requests"]]
+        group["connections"] = sorted({*group["connections"], *f["connections"]})
+        group["grouped"] = group.get("grouped", 1) + 1
+        if len(group["evidence"]) < GROUP_EVIDENCE:
+            group["evidence"] += f["evidence"][: GROUP_EVIDENCE - len(group["evidence"])]
+        if f["t"] is not None and (group["t"] is None or f["t"] < group["t"]):
+            group["t"] = f["t"]
+    return out
+
+
+def _topology(ctx: Context) -> dict[str, Any]:
+    """The chain of hops the evidence shows, client side first, and why: what each
+    tap's upstream is (declared, fingerprinted, or an engine URL's host), and whether two
+    adjacent taps share their TCP connections (no hop between) or not (a hop, "?")."""
+    taps = ctx.order or sorted(ctx.e.taps)
+    if not taps:
+        return {}
+    why: list[str] = []
+    first = taps[0]
+    if first in ctx.e.client_facing:
+        parts = ["client", first]
+        why.append(f"tap {first} is client-facing (--client-facing)")
+    else:
+        parts = ["client", "?", first]
+        why.append(f"nothing says the client connects to tap {first} directly (--client-facing)")
+    locals_: dict[str, set[str]] = defaultdict(set)
+    peers: dict[str, set[str]] = defaultdict(set)
+    for c in ctx.e.connections:
+        if c.upstream_local and len(locals_[c.tap]) < 65536:
+            locals_[c.tap].add(_addr_key(c.upstream_local))
+        if len(peers[c.tap]) < 65536:
+            peers[c.tap].add(_addr_key(c.peer))
+    for a, b in itertools.pairwise(taps):
+        if locals_[a] & peers[b]:
+            why.append(f"tap {a}'s upstream connections are tap {b}'s client connections")
+        else:
+            parts.append("?")
+            why.append(f"tap {a}'s upstream connections were not seen at tap {b}: a hop between")
+        parts.append(b)
+    last = taps[-1]
+    topo = ctx.e.taps.get(last, {}).get("topology") or {}
+    server = topo.get("server") or {}
+    role = ctx.role(last)
+    engines = len(
+        {_base(str(x["url"])) for x in ctx.e.engine if x.get("profile") in ENGINE_PROFILES}
+    )
+    if role == "router":
+        parts.append("router")
+        if engines:
+            parts.append(f"{engines} engine{'s' if engines != 1 else ''}")
+    elif role == "engine":
+        kind = server.get("kind")
+        parts.append(f"engine ({kind})" if kind else "engine")
+    elif role == "proxy":
+        parts += ["proxy", "?"]
+    elif ctx.tap_serving(last):
+        parts.append("serving stack")
+        why.append(f"tap {last}'s upstream is the host of an --engine-metrics/--health URL")
+    else:
+        parts.append("?")
+    for tap in taps:
+        t = ctx.e.taps.get(tap, {}).get("topology") or {}
+        if t.get("upstream_role"):
+            basis = t.get("basis", "unknown")
+            said = "; ".join(t.get("evidence") or [])
+            why.append(
+                f"tap {tap}'s upstream: {t['upstream_role']} ({basis})"
+                + (f": {said}" if said else "")
+            )
+    return {"chain": " → ".join(parts), "taps": taps, "why": why}
+
+
 def find(e: Evidence) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """All findings (sorted, numbered) and the verdict."""
     ctx = Context(e)
     e.tap_pairs = ctx.tap_pairs()
+    e.topology = _topology(ctx)
     findings: list[dict[str, Any]] = []
     for analyzer in ANALYZERS:
         findings += analyzer(ctx)
     findings = _join_taps(ctx, findings)
     findings = _injected_by_the_tap(ctx, findings)
+    _discount_starved(ctx, findings)
+    findings = _grouped(findings)
+    # what the user saw hang: requests that never completed (or stalled), and the marks
+    hung = {r.id for r in ctx.interesting if r.termination != "complete" or r.stalls}
+    # requests whose silence a finding explains with high confidence (a wedge): a hop's
+    # timeout that met it comes second; a silence the figures cannot explain does not
+    # outrank the status or cut the hop produced itself
+    silences = {
+        q
+        for f in findings
+        if not f["note"] and f["confidence"] == "high" and f.get("after_silence") is None
+        for q in f["requests"]
+    }
     findings.sort(
         key=lambda f: (
             f["note"],
             f["kind"] in NO_REQUEST_KINDS,
+            not (f["kind"] in MARK_KINDS or hung.intersection(f["requests"])),
+            # a hop's timeout that met a silence behind it yields to that silence's finding
+            f.get("after_silence") in silences,
+            f["kind"] in TIMING_KINDS,  # heuristics yield to hard evidence
             CONFIDENCE[f["confidence"]],
             f["party"] == "unknown",
             f["t"] if f["t"] is not None else 0.0,

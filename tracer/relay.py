@@ -25,17 +25,20 @@ at all. It runs every byte through ``faults.ConnectionFaults`` (sans-I/O) and ca
 out the actions it returns. The observer then sees what the client sees: the client's
 bytes as they came, and the bytes actually written to the client, when they were
 written; each injection is a ``fault`` record.
+
+Beside the traffic, two records about the tap itself: ``topology`` (what the upstream
+is: declared, or from a fingerprint taken in the background over a connection of the
+tap's own, ``tracer/topology.py``) and ``tap_lag`` (the stall ticker measures how late it
+wakes: the tap's own event loop lagging is the tap's own delay, not the upstream's).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import fcntl
 import functools
 import math
-import os
 import socket
 import struct
 import termios
@@ -50,7 +53,7 @@ import anyio
 import structlog
 from anyio.abc import TaskStatus
 
-from . import __version__
+from . import __version__, topology
 from . import events as ev
 from .capture import CaptureWriter, boot_id
 from .faults import (
@@ -72,6 +75,7 @@ from .sniff import Bodies, ConnectionObserver, not_http
 log = structlog.get_logger("tracer.relay")
 
 READ_SIZE = 65536
+LAG_WINDOW = 1.0  # seconds: at most one tap_lag record per window
 
 
 @dataclass
@@ -90,6 +94,13 @@ class TapConfig:
     faults: list[Fault] = field(default_factory=list)  # --fault: opt-in, altering traffic
     fault_control: bool = False  # --fault-control: the faults change at run time (admin)
     inject_request_id: bool = False  # --inject-request-id: opt-in, altering traffic
+    # topology (tracer/topology.py): declared role wins; else a fingerprint at start
+    upstream_role: Literal["engine", "router", "proxy"] | None = None  # --upstream-role
+    client_facing: bool = False  # --client-facing: the harness connects here directly
+    fingerprint: bool = False  # fingerprint the upstream at start (the CLI turns it on)
+    fingerprint_timeout: float = topology.TIMEOUT
+    serving_urls: list[str] = field(default_factory=list)  # --engine-metrics, --health
+    lag_threshold: float = 0.02  # a tick later than this is event-loop lag (tap_lag)
 
     @property
     def upstream_url(self) -> str:
@@ -152,6 +163,8 @@ class Tap:
         self.started_m = time.monotonic()
         self.bound: list[tuple[str, int]] = []
         self._tg: anyio.abc.TaskGroup | None = None
+        self.topology: topology.Verdict | None = None  # once declared or fingerprinted
+        self.lag_windows = 0  # event-loop lag windows closed (tap_lag records or not)
 
     # ---- events -------------------------------------------------------------------
 
@@ -263,6 +276,8 @@ class Tap:
             extra["fault_control"] = True  # the faults may change: fault_plan records
         if cfg.inject_request_id:
             extra["inject_request_id"] = True  # this tap altered requests (opt-in)
+        if cfg.fingerprint and cfg.upstream_role is None:
+            extra["fingerprint"] = True  # a topology record follows once it is taken
         return ev.CaptureStart(
             t=now + self._wall,
             m=now,
@@ -279,6 +294,8 @@ class Tap:
                 "connect_timeout": cfg.connect_timeout,
                 **extra,
             },
+            upstream_role=cfg.upstream_role,
+            client_facing=True if cfg.client_facing else None,
         )
 
     # ---- serving ------------------------------------------------------------------
@@ -301,6 +318,8 @@ class Tap:
                 async with anyio.create_task_group() as tg:
                     self._tg = tg
                     tg.start_soon(self._ticker)
+                    if cfg.upstream_role is not None or cfg.fingerprint:
+                        tg.start_soon(self._topology)
                     task_status.started(self.bound)
                     await anyio.sleep_forever()
         finally:
@@ -326,29 +345,133 @@ class Tap:
         self._next_id += 1
         return self._next_id
 
+    async def _topology(self) -> None:
+        """Record what the upstream is: declared at once, else after the fingerprint (its
+        own connection, in the background; it never touches forwarding)."""
+        cfg = self.config
+        start = time.monotonic()
+        elapsed: float | None = None
+        try:
+            if cfg.upstream_role is not None:
+                verdict = topology.declared(cfg.upstream_role)
+            else:
+                verdict = await topology.probe(
+                    cfg.upstream_host,
+                    cfg.upstream_port,
+                    tap=cfg.name,
+                    urls=cfg.serving_urls,
+                    timeout=cfg.fingerprint_timeout,
+                )
+                elapsed = round(time.monotonic() - start, 6)
+        except Exception as exc:  # never into the tap
+            log.exception("upstream fingerprint failed")
+            verdict = topology.Verdict(
+                "unknown", "unknown", [f"fingerprint failed: {topology.describe_error(exc)}"]
+            )
+        self.topology = verdict
+        now = time.monotonic()
+        self.safe_emit(
+            ev.Topology(
+                t=now + self._wall,
+                m=now,
+                tap=cfg.name,
+                upstream=cfg.upstream_url,
+                upstream_role=verdict.role,
+                basis=verdict.basis,
+                evidence=list(verdict.evidence),
+                client_facing=cfg.client_facing,
+                server=verdict.server,
+                elapsed=elapsed,
+            )
+        )
+        log.info(
+            "upstream topology",
+            role=verdict.role,
+            basis=verdict.basis,
+            server=(verdict.server or {}).get("kind"),
+            evidence=verdict.evidence,
+        )
+
     async def _ticker(self) -> None:
         interval = max(0.05, min(0.25, self.config.stall_after / 4))
         stall_after = self.config.stall_after
         idle_timeout = self.config.idle_timeout
-        while True:
-            await anyio.sleep(interval)
-            now = time.monotonic()
-            for relay in list(self.live.values()):
-                obs = relay.obs
-                obs.flush(now)
-                silent = now - obs.last_activity_m
-                if obs.in_flight and silent >= stall_after:
-                    try:
-                        obs.tick(
-                            now,
-                            stall_after=stall_after,
-                            client_blocked=relay.client_paused_since is not None,
-                            unsent=_unsent_bytes(relay.client),
-                        )
-                    except Exception:  # observation must never stop the tap
-                        log.exception("observer tick failed", conn=relay.id)
-                elif idle_timeout is not None and not obs.in_flight and silent >= idle_timeout:
-                    relay.close_by_tracer("idle timeout")
+        # event-loop lag: how late each tick wakes (a subtraction and a compare a tick)
+        threshold = self.config.lag_threshold
+        window_start = time.monotonic()
+        window_end = window_start + LAG_WINDOW
+        ticks = late_ticks = 0
+        worst = worst_at = 0.0
+        due = window_start + interval
+        try:
+            while True:
+                await anyio.sleep(interval)
+                now = time.monotonic()
+                late = now - due
+                ticks += 1
+                if late > threshold:
+                    late_ticks += 1
+                    if late > worst:
+                        worst, worst_at = late, now
+                if now >= window_end:
+                    if late_ticks:
+                        self._lag(window_start, now, worst, worst_at, late_ticks, ticks, interval)
+                    self.lag_windows += 1
+                    window_start, window_end = now, now + LAG_WINDOW
+                    ticks = late_ticks = 0
+                    worst = 0.0
+                self._tick(now, stall_after, idle_timeout)
+                due = time.monotonic() + interval
+        finally:
+            if late_ticks:  # stopping: the window so far
+                self._lag(
+                    window_start, time.monotonic(), worst, worst_at, late_ticks, ticks, interval
+                )
+
+    def _lag(
+        self,
+        start: float,
+        end: float,
+        worst: float,
+        worst_at: float,
+        late_ticks: int,
+        ticks: int,
+        interval: float,
+    ) -> None:
+        event = ev.TapLag(
+            t=end + self._wall,
+            m=end,
+            tap=self.config.name,
+            window_start=start,
+            window=round(end - start, 6),
+            max_lag=round(worst, 6),
+            max_lag_at=worst_at,
+            late_ticks=late_ticks,
+            ticks=ticks,
+            threshold=self.config.lag_threshold,
+            interval=interval,
+        )
+        self.safe_emit(event)
+        log.warning("the tap's event loop ran late", max_lag=event.max_lag, late_ticks=late_ticks)
+
+    def _tick(self, now: float, stall_after: float, idle_timeout: float | None) -> None:
+        """The stall and idle checks of every live connection, once a tick."""
+        for relay in list(self.live.values()):
+            obs = relay.obs
+            obs.flush(now)
+            silent = now - obs.last_activity_m
+            if obs.in_flight and silent >= stall_after:
+                try:
+                    obs.tick(
+                        now,
+                        stall_after=stall_after,
+                        client_blocked=relay.client_paused_since is not None,
+                        unsent=_unsent_bytes(relay.client),
+                    )
+                except Exception:  # observation must never stop the tap
+                    log.exception("observer tick failed", conn=relay.id)
+            elif idle_timeout is not None and not obs.in_flight and silent >= idle_timeout:
+                relay.close_by_tracer("idle timeout")
 
     # ---- guarded observation ------------------------------------------------------
 
@@ -495,7 +618,7 @@ class _Relay:
             error = (
                 f"connect timed out after {cfg.connect_timeout:g}s"
                 if isinstance(exc, TimeoutError)
-                else _describe(exc)
+                else topology.describe_error(exc)
             )
             tap.emit(
                 ev.UpstreamConnect(
@@ -1073,12 +1196,3 @@ def _addr(value: Any) -> str:
     return str(value)
 
 
-def _describe(exc: BaseException) -> str:
-    """A plain reason: 'Connection refused (ECONNREFUSED)' rather than asyncio's wording."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno:
-            name = errno.errorcode.get(seen.errno, str(seen.errno))
-            return f"{os.strerror(seen.errno)} ({name})"
-        seen = seen.__cause__
-    return str(exc) or type(exc).__name__

@@ -184,6 +184,17 @@ def write_text(result: dict[str, Any], out: TextIO, *, width: int = 200) -> None
     )
     terms = "  ".join(f"{k}={v}" for k, v in totals["terminations"].items()) or "-"
     console.print(f"terminations: {terms}")
+    chain = (result.get("topology") or {}).get("chain")
+    if chain:
+        console.print(f"chain: {chain}   (?: a hop no tap saw)", markup=False)
+    lags = result["evidence"].get("tap_lags") or []
+    if lags:
+        worst = max(lags, key=lambda lag: lag["max_lag"])
+        console.print(
+            f"WARNING: the taps' own event loops ran late {len(lags)} time(s), at worst "
+            f"{worst['max_lag'] * 1000:.0f} ms (tap {worst['tap']}): timing findings there "
+            "are notes"
+        )
     for pair in result["evidence"].get("tap_pairs", []):
         delay = pair["median_delay"]
         seen = (
@@ -210,6 +221,8 @@ def write_text(result: dict[str, Any], out: TextIO, *, width: int = 200) -> None
 
     def connection_cells() -> Iterator[list[str]]:
         for c in result["connections"]:
+            if c.get("probes") and not c["requests"]:
+                continue  # a connection that carried only a tap's own probes
             upstream = c["upstream_error"] or c["upstream_local"] or "-"
             yield [
                 c["id"],

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 from . import __version__
 from .analysis import Summary
 from .capture import CaptureError, read_into
+from .engines import progress_delta
 from .findings import Context, Evidence
 
 if TYPE_CHECKING:
@@ -216,6 +217,8 @@ def build(
             "totals": result["totals"],
             "engine_urls": result["evidence"]["engine_urls"],
             "marks": result["evidence"]["marks"],
+            "topology": result.get("topology") or {},
+            "tap_lags": result["evidence"].get("tap_lags", []),
         },
         "findings": findings,
         "problem_requests": _by_tap(problem_requests(result, findings), order),
@@ -453,7 +456,7 @@ def _engine_rows(
             if state.get("queued") is not None:
                 e["queued_max"] = max(e["queued_max"] or 0, int(state["queued"]))
         deltas, interval = s.get("deltas") or {}, s.get("interval") or 0.0
-        tokens = deltas.get("generation_tokens_total")
+        tokens = progress_delta(deltas, profile)
         if interval > 0 and tokens is not None and s["t"] - interval >= low - 1e-9:
             e["generation_tokens"] = (e["generation_tokens"] or 0) + tokens
             e["_seconds"] += interval
@@ -578,6 +581,7 @@ def to_markdown(doc: dict[str, Any]) -> str:
     ]
     if totals["capture_records_lost"]:
         out += [f"**Warning:** the captures lost {totals['capture_records_lost']} records.", ""]
+    out += _chain_md(ov)
     out += ["## Ruled out, and by which evidence", ""]
     if v["ruled_out"]:
         out += [f"- **{r['party']}** ruled out: {clock.quote(r['why'])}" for r in v["ruled_out"]]
@@ -857,6 +861,24 @@ def _reproduce_md(doc: dict[str, Any]) -> list[str]:
             "",
         ]
     return out
+
+
+def _chain_md(ov: dict[str, Any]) -> list[str]:
+    """The chain of hops the analysis believes in, and what each link rests on."""
+    topo = ov.get("topology") or {}
+    if not topo.get("chain"):
+        return []
+    out = [f"Chain: `{topo['chain']}` (`?`: a hop no tap saw).", ""]
+    out += [f"- {why}" for why in topo.get("why", [])]
+    lags = ov.get("tap_lags") or []
+    if lags:
+        worst = max(lags, key=lambda lag: lag["max_lag"])
+        out += [
+            f"- the taps' own event loops ran late {len(lags)} time(s), at worst "
+            f"{worst['max_lag'] * 1000:.0f} ms (tap {worst['tap']}): timing findings there "
+            "are notes"
+        ]
+    return [*out, ""]
 
 
 def _provenance_md(doc: dict[str, Any]) -> list[str]:

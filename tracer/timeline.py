@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from .engines import progress_delta
+
 MAX_LANES = 40
 MAX_BARS = 4000  # above this many requests, lanes are heat bands (a bar each is too slow)
 LANE_COLOUR = "#e6ebf2"  # lane background; tests find lanes in the PNG by this colour
@@ -201,7 +203,11 @@ def build(
     span = max(float(end) - origin, 1e-3) if end is not None else 1.0
     rank = {tap: i for i, tap in enumerate(tap_order)}
     conns = sorted(
-        {(c["tap"], c["conn"]) for c in result["connections"]}
+        {
+            (c["tap"], c["conn"])
+            for c in result["connections"]
+            if not (c.get("probes") and not c["requests"])  # only a tap's own probes
+        }
         | {(r["tap"], r["conn"]) for r in result["requests"]},
         key=lambda k: (rank.get(k[0], len(rank)), k[0], k[1]),
     )
@@ -323,8 +329,9 @@ def engine_series(samples: list[dict[str, Any]], origin: float) -> EngineSeries:
                     queued[host] = float(state["queued"])
             deltas = s.get("deltas") or {}
             interval = s.get("interval") or 0.0
-            if interval > 0 and deltas.get("generation_tokens_total") is not None:
-                rate[host] = float(deltas["generation_tokens_total"]) / interval
+            progress = progress_delta(deltas, profile)
+            if interval > 0 and progress is not None:
+                rate[host] = progress / interval
         else:
             continue
         series.t.append(s["t"] - origin)

@@ -128,9 +128,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     se.add_argument(
         "--token-counters",
         choices=["live", "finish"],
-        default="live",
-        help="count prompt/generation tokens as produced (live) or when a request "
-        "finishes (finish, as SGLang does)",
+        default="finish",
+        help="count prompt/generation tokens when a request finishes (finish, as SGLang "
+        "does) or as they are produced (live) (default: %(default)s)",
     )
     se.add_argument(
         "--startup", type=float, default=0.0, metavar="SECONDS", help="/health is 503 this long"

@@ -152,7 +152,7 @@ class EngineConfig:
     max_total_tokens: int = 262144
     context_length: int = 32768
     engine_type: EngineType = "unified"
-    token_counters: Literal["live", "finish"] = "live"
+    token_counters: Literal["live", "finish"] = "finish"
     startup: float = 0.0  # /health answers 503 this long after start
     health_timeout: float = 20.0
     early_headers: bool = False

@@ -23,9 +23,10 @@ Metrics follow SGLang (``reference/llm-serving.md`` §1.3, §1.4):
   while idle. ``/v1/loads`` reads the live values.
 * tokenizer counters and histograms (``prompt_tokens_total``, ``generation_tokens_total``,
   ``num_requests_total``, ``time_to_first_token_seconds`` ...) are written when the event
-  happens. With ``token_counters="live"`` (the default) prompt tokens are counted at
-  prefill and each generated token when it is produced; ``"finish"`` counts both when the
-  request finishes, which is what SGLang itself does (``observe_one_finished_request``).
+  happens. With ``token_counters="finish"`` (the default, what SGLang itself does:
+  ``observe_one_finished_request``) prompt and generated tokens are counted when the
+  request finishes, so they stay flat while long streams decode; ``"live"`` counts prompt
+  tokens at prefill and each generated token when it is produced.
   ``sglang:realtime_tokens_total{mode=...}`` moves with the gauges (every log interval).
 """
 
@@ -65,7 +66,7 @@ class SchedulerConfig:
     decode_log_interval: int = 40
     idle_refresh: float = 30.0
     max_total_tokens: int = 262144  # KV pool size, for token_usage
-    token_counters: Literal["live", "finish"] = "live"
+    token_counters: Literal["live", "finish"] = "finish"
     startup_time: float = 0.0  # reported as sglang:engine_startup_time
 
 
