@@ -207,9 +207,10 @@ async def hang_on_reuse(d: Demo) -> list[Path]:
     d.step(f"the proxy in between: {faulty.url} (--fault hang-on-reuse:3), tap back behind it")
     probes = ["--probe-on-stall", "--probe-interval", "0.5"]
     front_tap = await d.proxy(
-        "front", faulty.url, "--capture", str(front), *TAP_OPTIONS, *probes, *evidence
-    )
-    d.step(f"tap front {front_tap.url}, with engine metrics and probes")
+        "front", faulty.url, "--capture", str(front), "--client-facing", *TAP_OPTIONS,
+        *probes, *evidence,
+    )  # fmt: skip
+    d.step(f"tap front {front_tap.url} (client-facing), with engine metrics and probes")
     await d.harness(front_tap.url, sessions=2, rounds=4, think=0.2, max_tokens=6, deadline=3.0)
     await stop(front_tap)
     await stop(back_tap)
