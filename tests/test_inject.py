@@ -53,9 +53,49 @@ def test_what_it_cannot_follow_passes_unchanged() -> None:
         assert injector.feed(GET) == GET  # and stays pass-through
     bad = b"POST / HTTP/1.1\r\ntransfer-encoding: gzip\r\n\r\nabc"
     injector = RequestIdInjector("t")
-    out = injector.feed(bad)
-    assert out.endswith(b"\r\n\r\nabc") and b"x-request-id: t-1" in out
+    assert injector.feed(bad) == bad  # a body it cannot frame: the head is left alone too
     assert injector.feed(GET) == GET
+    assert injector.passed_through == "a Transfer-Encoding other than chunked"
+
+
+SMUGGLE = b"GET /smuggled HTTP/1.1\r\nHost: r\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("head", "why"),
+    [
+        # a lenient upstream reads Content-Length on the bare-LF line; a CRLF-only
+        # rewriter would not, and would take the body for the next request
+        (b"POST / HTTP/1.1\r\nHost: r\nContent-Length: %d\r\n\r\n", "bare LF"),
+        (b"POST / HTTP/1.1\r\nHost: r\r\nX-A: b\r\n Content-Length: %d\r\n\r\n", "obs-fold"),
+        (b"POST / HTTP/1.1\r\nContent-Length: %d\r\nContent-Length: 0\r\n\r\n", "more than one"),
+        (
+            b"POST / HTTP/1.1\r\nContent-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n",
+            "both",
+        ),
+        (b"POST / HTTP/1.1\r\nContent-Length : %d\r\n\r\n", "NAME: VALUE"),
+        (b"POST / HTTP/1.1\r\nContent-Length: +%d\r\n\r\n", "not a number"),
+        (b"POST / HTTP/1.1\rHost: r\r\nContent-Length: %d\r\n\r\n", "bare CR"),
+    ],
+)
+def test_an_ambiguous_head_passes_untouched(head: bytes, why: str) -> None:
+    """No injection where parsers may disagree on the head: what the upstream gets is
+    what the client sent, byte for byte, so nothing can be smuggled by the rewrite."""
+    stream = head % len(SMUGGLE) + SMUGGLE + GET
+    for cut in (len(stream), 7, 1):
+        injector = RequestIdInjector("t")
+        out = b"".join(injector.feed(stream[i : i + cut]) for i in range(0, len(stream), cut))
+        assert out == stream
+        assert injector.passed_through is not None and why in injector.passed_through
+        assert injector.injected == 0
+
+
+def test_a_bare_lf_request_is_never_held() -> None:
+    """A head in bare LFs has no CRLFCRLF: it goes on at once instead of being held."""
+    injector = RequestIdInjector("t")
+    data = b"GET / HTTP/1.1\nHost: r\n\n"
+    assert injector.feed(data) == data
+    assert injector.passed_through is not None and "bare LF" in injector.passed_through
 
 
 @pytest.mark.anyio

@@ -857,16 +857,38 @@ class _InjectingRelay(_Relay):
     def __init__(self, tap: Tap, client: asyncio.Transport) -> None:
         super().__init__(tap, client)
         self.injector = RequestIdInjector(f"tracer-{tap.config.name}-{self.id}")
+        self.client_bytes = 0
 
     def from_client(self, data: bytes) -> None:
+        passing = self.injector.passed_through is not None
         try:
-            data = self.injector.feed(data)
+            out = self.injector.feed(data)
         except Exception:  # the rewriter must never stop traffic
             log.exception("request-id injection failed; passing through", conn=self.id)
-            data = self.injector.flush() + data
-            self.injector.give_up()
-        if data:
-            super().from_client(data)
+            out = self.injector.flush() + data
+            self.injector.give_up("the rewriter failed")
+        if not passing and self.injector.passed_through is not None:
+            self._passing_through(self.injector.passed_through)
+        self.client_bytes += len(data)
+        if out:
+            super().from_client(out)
+
+    def _passing_through(self, why: str) -> None:
+        """The connection's bytes go on untouched from here: an anomaly says why."""
+        now = time.monotonic()
+        tap = self.tap
+        tap.safe_emit(
+            ev.Anomaly(
+                t=now + tap._wall,
+                m=now,
+                tap=tap.config.name,
+                conn=self.id,
+                direction="client",
+                error=f"--inject-request-id: passed through untouched: {why}",
+                offset=self.client_bytes,
+            )
+        )
+        log.info("request-id injection off for this connection", conn=self.id, reason=why)
 
     def on_client_eof(self) -> None:
         held = self.injector.flush()
