@@ -289,8 +289,13 @@ async def _free_port() -> int:
     return port
 
 
+TOKEN = "test-token-0123456789abcdef"
+
+
 async def test_admin_mark_is_a_hang_mark_in_the_capture(tmp_path: Path) -> None:
     capture = tmp_path / "cap.jsonl"
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
     async with anyio.create_task_group() as tg:
         engine = SimEngine(EngineConfig(tokens=2, ttft=0.0, itl=0.0))
         host, port = await tg.start(engine.serve)
@@ -307,12 +312,19 @@ async def test_admin_mark_is_a_hang_mark_in_the_capture(tmp_path: Path) -> None:
             str(capture),
             "--tap",
             "front",
+            "--admin-token-file",
+            str(token_file),
         ) as proc:
             async with httpx.AsyncClient() as client:
                 await _stream_once(client, proc.url, "before")
-                r = await client.post(f"http://127.0.0.1:{admin_port}/mark", content=b"stuck")
+                mark = f"http://127.0.0.1:{admin_port}/mark"
+                no_token = await client.post(mark, json={"note": "stuck"})
+                assert no_token.status_code == 401
+                auth = {"authorization": f"Bearer {TOKEN}"}
+                r = await client.post(mark, json={"note": "stuck"}, headers=auth)
                 assert r.status_code == 200 and r.json()["note"] == "stuck"
-                assert (await client.get(f"http://127.0.0.1:{admin_port}/mark")).status_code == 405
+                assert r.json()["by"].startswith("127.0.0.1:")
+                assert (await client.get(mark)).status_code == 405
         tg.cancel_scope.cancel()
     marks = [r for r in read_records(capture) if r["type"] == "mark"]
     assert len(marks) == 1 and marks[0]["note"] == "stuck"

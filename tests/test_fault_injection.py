@@ -933,16 +933,21 @@ async def test_faults_changed_while_the_tap_runs(tmp_path: Path) -> None:
         tg.start_soon(listener.serve, upstream.serve)
         args = ["proxy", "--listen", "127.0.0.1:0", "--upstream"]
         args += [f"http://127.0.0.1:{upstream.port}", "--capture", str(capture), "--no-fingerprint"]
+        token = tmp_path / "token"
+        token.write_text("a-token-for-this-test-only")
         args += ["--admin", f"127.0.0.1:{admin_port}", "--fault-control", "--tap", "t"]
-        async with tracer_proxy(*args) as proc, httpx.AsyncClient() as admin:
+        args += ["--admin-token-file", str(token)]
+        headers = {"authorization": "Bearer a-token-for-this-test-only"}
+        async with (
+            tracer_proxy(*args) as proc,
+            httpx.AsyncClient(headers=headers) as admin,
+        ):
             answer = status_response(parse_fault("status:503@path=/v1/chat/*"))
             async with await anyio.connect_tcp("127.0.0.1", proc.port) as s:
                 assert await exchange(s, CHAT, STREAM) == STREAM  # no faults: byte for byte
                 got = (await admin.get(faults_url)).json()
                 assert got == {"faults": [], "control": True, "injected": {}}
-                r = await admin.put(
-                    faults_url, content=b"# chat only\nstatus:503@path=/v1/chat/*\n"
-                )
+                r = await admin.put(faults_url, json=["status:503@path=/v1/chat/*"])
                 assert r.status_code == 200 and r.json()["faults"] == ["status:503@path=/v1/chat/*"]
                 base_url = f"http://127.0.0.1:{proc.port}/v1"
                 async with openai.AsyncOpenAI(
@@ -954,9 +959,9 @@ async def test_faults_changed_while_the_tap_runs(tmp_path: Path) -> None:
                 # the connection opened before the change: its next request gets the plan
                 assert await exchange(s, CHAT, answer) == answer
                 assert await exchange(s, GET_MODELS, MODELS) == MODELS  # not matched
-                r = await admin.post(faults_url, content=b"hang-on-reuse:4")
+                r = await admin.post(faults_url, json=["hang-on-reuse:4"])
                 assert r.json()["faults"] == ["status:503@path=/v1/chat/*", "hang-on-reuse:4"]
-                bad = await admin.put(faults_url, content=b"drop-done\nhang-on-reuse:1")
+                bad = await admin.put(faults_url, json=["drop-done", "hang-on-reuse:1"])
                 assert bad.status_code == 400 and "integer >= 2" in bad.json()["error"]
                 assert len((await admin.get(faults_url)).json()["faults"]) == 2  # unchanged
                 await s.send(GET_MODELS)  # request 4 on this connection: held

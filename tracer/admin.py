@@ -14,8 +14,10 @@ renders the same way every time.
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import json
+import secrets
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -271,11 +273,51 @@ def _engine_base(url: str) -> str:
     return url
 
 
+MAX_MARKS = 100  # marks one tap run takes (more are refused: 429)
+MARK_INTERVAL = 1.0  # seconds between two marks at least
+TOKEN_HEADER = "x-tracer-token"
+
+
+def _host_and_port(value: str) -> tuple[str, int | None]:
+    """``Host`` header -> (host, port): ``[::1]:9100``, ``127.0.0.1``, ``localhost:9``."""
+    host, port = value, None
+    if value.startswith("["):
+        host, _, rest = value[1:].partition("]")
+        if rest.startswith(":") and rest[1:].isdigit():
+            port = int(rest[1:])
+    elif value.count(":") == 1:
+        host, _, tail = value.partition(":")
+        port = int(tail) if tail.isdigit() else -1
+    return host.lower(), port
+
+
 class AdminServer:
-    def __init__(self, tap: Tap, host: str, port: int) -> None:
+    """The admin endpoint. Every request must name the admin by an address (``Host``: an
+    IP literal or ``localhost``, the admin's port): a web page on a name that resolves
+    to 127.0.0.1 (DNS rebinding) gets nothing. What changes state (``POST /mark``,
+    ``/faults``) also needs the token (``Authorization: Bearer TOKEN`` or
+    ``x-tracer-token``), a JSON body and no ``Origin`` — a cross-origin page can send
+    neither the token nor JSON without a preflight this server never answers."""
+
+    def __init__(
+        self,
+        tap: Tap,
+        host: str,
+        port: int,
+        *,
+        token: str | None = None,
+        allow_remote: bool = False,
+    ) -> None:
         self.tap = tap
         self.host = host
         self.port = port
+        self.token = token or secrets.token_urlsafe(24)
+        self.token_given = token is not None
+        self.allow_remote = allow_remote
+        self.marks = 0
+        self.last_mark: float | None = None
+        self.peer: str | None = None  # who sent the request being routed
+        self.agent: str | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_TapCollector(tap))
         self.bound: tuple[str, int] | None = None
@@ -307,9 +349,17 @@ class AdminServer:
                     if got is None:
                         return
                     request, payload = got
-                    status, ctype, body = self.route(
-                        request.method.decode(), request.target.decode(), payload
-                    )
+                    method, target = request.method.decode(), request.target.decode()
+                    given = {
+                        k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers
+                    }
+                    refused = self.guard(method, target, given)
+                    if refused is not None:
+                        status, ctype, body = refused
+                    else:
+                        self.peer = _peer(stream)
+                        self.agent = given.get("user-agent")
+                        status, ctype, body = self.route(method, target, payload)
                     headers = [("content-type", ctype), ("content-length", str(len(body)))]
                     await stream.send(
                         conn.send(h11.Response(status_code=status, headers=headers)) or b""
@@ -322,11 +372,46 @@ class AdminServer:
         except (anyio.BrokenResourceError, anyio.EndOfStream, h11.ProtocolError, OSError):
             return
 
+    def guard(
+        self, method: str, target: str, headers: dict[str, str]
+    ) -> tuple[int, str, bytes] | None:
+        """Why this request is refused (None: it may go on). ``headers``: lower-case names."""
+        host, port = _host_and_port(headers.get("host", ""))
+        bound_port = self.bound[1] if self.bound is not None else self.port
+        literal = host == "localhost" or _is_ip(host)
+        if not literal or (port is not None and port != bound_port):
+            return _json(
+                421, {"error": f"Host {headers.get('host')!r} is not this admin's address"}
+            )
+        if not self.allow_remote and not is_loopback(host):
+            return _json(421, {"error": "this admin answers on loopback addresses only"})
+        changes = method not in ("GET", "HEAD")
+        if not changes:
+            return None
+        if "origin" in headers:
+            return _json(403, {"error": "requests from a web page (Origin) are refused"})
+        given = headers.get(TOKEN_HEADER) or headers.get("authorization", "").removeprefix(
+            "Bearer "
+        )
+        if not hmac.compare_digest(given.strip().encode(), self.token.encode()):
+            return _json(401, {"error": "the admin token is needed (Authorization: Bearer …)"})
+        ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if method != "DELETE" and ctype != "application/json":  # (a DELETE has no body)
+            return _json(415, {"error": "send the body as application/json"})
+        return None
+
     def route(self, method: str, target: str, body: bytes = b"") -> tuple[int, str, bytes]:
         path = target.split("?", 1)[0]
         if path == "/mark":
             if method != "POST":
-                return 405, "text/plain", b"POST /mark (body: an optional note)\n"
+                return 405, "text/plain", b'POST /mark (JSON body: {"note": "..."}, optional)\n'
+            now = time.monotonic()
+            if self.marks >= MAX_MARKS:
+                return _json(429, {"error": f"this tap takes at most {MAX_MARKS} marks"})
+            if self.last_mark is not None and now - self.last_mark < MARK_INTERVAL:
+                return _json(429, {"error": f"one mark per {MARK_INTERVAL:g} s at most"})
+            self.marks += 1
+            self.last_mark = now
             return 200, "application/json", json.dumps(self.mark(body)).encode()
         if path == "/faults":
             return self.faults(method, body)
@@ -402,13 +487,41 @@ class AdminServer:
         }
 
     def mark(self, body: bytes) -> dict[str, Any]:
-        """Record "the harness was seen hung now" in the capture (analysis: like --hang-at)."""
+        """Record "the harness was seen hung now" in the capture (analysis: like --hang-at),
+        with who sent it (the peer's address and User-Agent)."""
         now = time.monotonic()
-        note = body.decode("utf-8", "replace").strip()[:500] or None
-        event = ev.Mark(t=now + self.tap.wall_offset, m=now, tap=self.tap.config.name, note=note)
+        text = body.decode("utf-8", "replace").strip()
+        try:
+            doc = json.loads(text) if text else {}
+        except ValueError:
+            doc = text
+        note = doc.get("note") if isinstance(doc, dict) else doc
+        note = str(note)[:500] if note not in (None, "") else None
+        by = " ".join(x for x in (self.peer, self.agent and f"({self.agent[:80]})") if x) or None
+        event = ev.Mark(
+            t=now + self.tap.wall_offset, m=now, tap=self.tap.config.name, note=note, by=by
+        )
         self.tap.emit(event)
-        log.info("hang marked", note=note)
-        return {"marked": event.t, "note": note}
+        log.info("hang marked", note=note, by=by)
+        return {"marked": event.t, "note": note, "by": by}
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _peer(stream: SocketStream) -> str | None:
+    try:
+        addr = stream.extra(SocketAttribute.remote_address)
+    except Exception:  # not a TCP socket (a test's stream)
+        return None
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        return f"{addr[0]}:{addr[1]}"
+    return str(addr)
 
 
 def _json(status: int, doc: dict[str, Any]) -> tuple[int, str, bytes]:

@@ -9,10 +9,13 @@ import signal
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
+
+if TYPE_CHECKING:
+    from .admin import AdminServer
 
 from . import __version__, logs
 from .analysis import Summary
@@ -82,13 +85,15 @@ def _fault_epilog() -> str:
     )
     lines += [
         "faults changed while the tap runs (--fault-control, with --admin 127.0.0.1:9100; each",
-        "change applies from the next request head on, and is a `fault_plan` record):",
+        "change applies from the next request head on, and is a `fault_plan` record; a",
+        "change needs the admin token the tap printed at start, or --admin-token-file):",
         "  curl -s 127.0.0.1:9100/faults                          the plan and the injections",
-        "  curl -s -X PUT --data-binary 'status:503@every=2' 127.0.0.1:9100/faults",
-        "                                                         a new plan, one spec a line",
-        "  curl -s -X POST --data-binary 'hang-on-reuse:3' 127.0.0.1:9100/faults",
+        '  A="Authorization: Bearer $TOKEN"; J="content-type: application/json"',
+        "  curl -s -X PUT -H \"$A\" -H \"$J\" -d '[\"status:503@every=2\"]' 127.0.0.1:9100/faults",
+        "                                                         a new plan (a JSON list)",
+        "  curl -s -X POST -H \"$A\" -H \"$J\" -d '[\"hang-on-reuse:3\"]' 127.0.0.1:9100/faults",
         "                                                         one more fault",
-        "  curl -s -X DELETE 127.0.0.1:9100/faults                no faults",
+        '  curl -s -X DELETE -H "$A" 127.0.0.1:9100/faults        no faults',
     ]
     return "\n".join(lines) + "\n"
 
@@ -152,7 +157,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     px.add_argument("--admin", metavar="HOST:PORT", help="serve /metrics and /status here")
     px.add_argument(
-        "--admin-allow-remote", action="store_true", help="allow --admin on a non-loopback address"
+        "--admin-allow-remote",
+        action="store_true",
+        help="allow --admin on a non-loopback address (anyone who reaches it reads live "
+        "traffic metadata; what changes state still needs the token)",
+    )
+    px.add_argument(
+        "--admin-token-file",
+        metavar="FILE",
+        help="the admin token (POST /mark, /faults need it as 'Authorization: Bearer TOKEN'); "
+        "default: one generated at start and printed once",
     )
     px.add_argument(
         "--bodies",
@@ -381,6 +395,14 @@ def _proxy(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--admin {args.admin} is not loopback; add --admin-allow-remote to allow it"
             )
+    token = None
+    if args.admin_token_file:
+        try:
+            token = Path(args.admin_token_file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"--admin-token-file: {exc.strerror or exc}") from None
+        if len(token) < 16:
+            raise ValueError("--admin-token-file: the token must be 16 characters or more")
     config = TapConfig(
         listen_host=host,
         listen_port=port,
@@ -438,9 +460,16 @@ def _proxy(args: argparse.Namespace) -> int:
         tap.sinks.append(otlp)
     if writer is not None:
         writer.write(tap.header(engine_metrics=args.engine_metrics, probes=args.probe_on_stall))
+    server = None
+    if admin is not None:
+        from .admin import AdminServer
+
+        server = AdminServer(
+            tap, admin[0], admin[1], token=token, allow_remote=args.admin_allow_remote
+        )
     reason = "stopped"
     try:
-        reason = anyio.run(_run_proxy, tap, admin, poller, backend_options=loop_options())
+        reason = anyio.run(_run_proxy, tap, server, poller, backend_options=loop_options())
     except OSError as exc:
         print(f"tracer: cannot listen on {args.listen}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -452,7 +481,7 @@ def _proxy(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _run_proxy(tap: Tap, admin: tuple[str, int] | None, poller: Any) -> str:
+async def _run_proxy(tap: Tap, admin: AdminServer | None, poller: Any) -> str:
     log = structlog.get_logger("tracer.cli")
     reason = "stopped"
     async with anyio.create_task_group() as tg:
@@ -471,9 +500,19 @@ async def _run_proxy(tap: Tap, admin: tuple[str, int] | None, poller: Any) -> st
         if poller is not None:
             tg.start_soon(poller.run)
         if admin is not None:
-            from .admin import AdminServer
-
-            await tg.start(AdminServer(tap, admin[0], admin[1]).serve)
+            bound = await tg.start(admin.serve)
+            where = f"{bound[0]}:{bound[1]}"
+            if admin.allow_remote:
+                log.warning(
+                    "ADMIN OPEN BEYOND THIS MACHINE: whoever reaches it reads live traffic "
+                    "metadata; changes need the token",
+                    admin=where,
+                )
+            print(
+                f"tracer proxy: admin on {where}; token for POST /mark and /faults: "
+                + ("from --admin-token-file" if admin.token_given else admin.token),
+                file=sys.stderr,
+            )
         await tg.start(tap.serve)
         print(
             f"tracer proxy: listening on {_fmt(tap.bound)} -> {tap.config.upstream_url}",

@@ -453,6 +453,7 @@ class Mark(Event):
 
     TYPE: ClassVar[str] = "mark"
     note: str | None = None
+    by: str | None = None  # who sent it: the peer's address and User-Agent
 
 
 @_register
