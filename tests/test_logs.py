@@ -44,3 +44,18 @@ async def test_stall_log_lines_carry_the_connection(tmp_path: Path) -> None:
     assert stall["direction"] == "upstream_silent"
     ended = next(line for line in lines if line["event"].startswith("response ended"))
     assert ended["conn"] == 1 and ended["event"] == "response ended client_abort"
+
+
+def test_log_lines_go_through_the_redaction_policy() -> None:
+    import structlog
+
+    buf = io.StringIO()
+    logs.configure(json=True, level="info", stream=buf)
+    try:
+        structlog.get_logger("t").warning(
+            "anomaly", error="bad line b'X-Api-Key: abc123'", target="/v1?token=zz", n=3
+        )
+    finally:
+        logs.configure()
+    line = json.loads(buf.getvalue())
+    assert "abc123" not in line["error"] and "zz" not in line["target"] and line["n"] == 3

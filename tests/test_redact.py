@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tracer.redact import REDACTED, is_secret, redact_headers, redact_value
+from tracer.redact import (
+    REDACTED,
+    is_secret,
+    redact_headers,
+    redact_target,
+    redact_value,
+    scrub_text,
+)
 
 
 @pytest.mark.parametrize(
@@ -66,3 +73,73 @@ def test_redact_headers_keeps_order_case_and_duplicates() -> None:
         ["X-Note", "caf\u00e9"],
     ]
     assert "SECRET" not in repr(out)
+
+
+SK = "sk-proj-AbCdEfGhIjKlMnOpQrSt1234"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "X-Custom-Auth",
+        "X-Auth-Key",
+        "Ocp-Apim-Subscription-Key",
+        "x-functions-key",
+        "X-Access-Tokens",
+        "X-Signature",
+        "x-jwt-assertion",
+    ],  # fmt: skip
+)
+def test_names_outside_the_old_list_are_secrets(name: str) -> None:
+    assert is_secret(name) and redact_value(name, "v4lue") == REDACTED
+
+
+@pytest.mark.parametrize(
+    ("value", "kept"),
+    [
+        (f"Bearer {SK}", "Bearer [redacted]"),
+        (f"key={SK}; v=1", "key=[redacted]; v=1"),
+        ("ghp_" + "a" * 36, REDACTED),
+        ("AKIA" + "B" * 16, REDACTED),
+        ("application/json", "application/json"),
+    ],
+)
+def test_credential_shaped_values_in_any_header(value: str, kept: str) -> None:
+    assert redact_value("X-Note", value) == kept
+
+
+@pytest.mark.parametrize(
+    ("target", "written"),
+    [
+        ("/v1/models?api_key=abc123&limit=5", "/v1/models?api_key=[redacted]&limit=5"),
+        (
+            "/v1/x?token=t&access_token=u&code=1",
+            "/v1/x?token=[redacted]&access_token=[redacted]&code=1",
+        ),
+        (f"/v1/chat?q={SK}", "/v1/chat?q=[redacted]"),
+        ("/v1/chat/completions", "/v1/chat/completions"),
+    ],
+)
+def test_query_parameters_with_secret_names(target: str, written: str) -> None:
+    assert redact_target(target) == written
+
+
+def test_text_quoted_from_the_wire_is_scrubbed() -> None:
+    """h11 quotes a malformed header line whole into its error message."""
+    h11_error = f"illegal header line: bytearray(b'Authorization : Bearer {SK}')"
+    out = scrub_text(h11_error)
+    assert SK not in out and "Bearer" not in out and out.startswith("illegal header line")
+    assert scrub_text("X-Api-Key: abc123, other") == "X-Api-Key: [redacted], other"
+    assert scrub_text("no secret here: 42") == "no secret here: 42"
+
+
+def test_a_malformed_secret_header_never_reaches_the_capture() -> None:
+    """Through the observer: the anomaly record quotes h11, scrubbed."""
+    from tracer.sniff import ConnectionObserver
+
+    events: list[object] = []
+    obs = ConnectionObserver(tap="t", conn=1, emit=events.append, wall_offset=0.0, opened_m=0.0)
+    obs.client_data(
+        f"GET /?api_key=zzz HTTP/1.1\r\nAuthorization : Bearer {SK}\r\n\r\n".encode(), 1.0
+    )
+    assert events and SK not in repr(events) and "zzz" not in repr(events)

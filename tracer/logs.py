@@ -12,10 +12,21 @@ from typing import Any
 
 import structlog
 
+from .redact import scrub_text
+
+
+def scrub(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    """The redaction policy on every log line: a field may quote the wire."""
+    for key, value in event_dict.items():
+        if isinstance(value, str):
+            event_dict[key] = scrub_text(value)
+    return event_dict
+
 
 def configure(*, json: bool = False, level: str = "info", stream: Any = None) -> None:
     processors: list[Any] = [
         structlog.contextvars.merge_contextvars,
+        scrub,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]

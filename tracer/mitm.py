@@ -38,7 +38,7 @@ from typing import IO, Any, Literal
 from . import events as ev
 from .bodies import RequestBody, encode_body
 from .capture import CaptureWriter
-from .redact import redact_headers
+from .redact import redact_headers, redact_target, scrub_text
 from .sniff import (
     BODY_BATCH_READS,
     BODY_BATCH_SECONDS,
@@ -605,7 +605,7 @@ class MitmEngine:
                 seq=st.seq,
                 idle_before=round(idle, 6),
                 method=method,
-                target=path,
+                target=redact_target(path),
                 version=_version(version),
                 headers=redact_headers(fields),
                 request_id=request_id,
@@ -956,7 +956,7 @@ class MitmEngine:
                     conn=conn.conn,
                     seq=st.seq,
                     direction="upstream",
-                    error=msg,
+                    error=scrub_text(msg),
                     offset=st.resp_bytes,  # body bytes before it (mitmproxy hides framing)
                 )
             )

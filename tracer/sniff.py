@@ -56,7 +56,7 @@ import h11
 from . import events as ev
 from .bodies import RequestBody, encode_body
 from .framing import BodyDecoder, FramingError, body_framing
-from .redact import redact_headers
+from .redact import redact_headers, redact_target, scrub_text
 from .sse import SseEvent, SseSplitter, is_event_stream
 
 Emit = Callable[[ev.Event], None]
@@ -465,7 +465,7 @@ class ConnectionObserver:
                 seq=self.seq,
                 idle_before=round(idle, 6),
                 method=method,
-                target=event.target.decode("latin-1"),
+                target=redact_target(event.target.decode("latin-1")),
                 version=event.http_version.decode("latin-1"),
                 headers=redact_headers(headers.raw_items()),
                 request_id=request_id,
@@ -838,7 +838,7 @@ class ConnectionObserver:
                 conn=self.conn,
                 seq=seq,
                 direction=direction,
-                error=str(exc) or type(exc).__name__,
+                error=scrub_text(str(exc)) or type(exc).__name__,  # h11 quotes header lines
                 offset=offset,
             )
         )
