@@ -413,8 +413,13 @@ class TraceAddon:
 
     def _open_capture(self, path: str) -> None:
         full = Path(path).expanduser()
-        try:  # the capture process opens it too: say what is wrong here, at once
-            os.close(os.open(full, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+        try:  # a new file (0600, not through a symlink), which the capture process extends
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+            os.close(os.open(full, flags, 0o600))
+        except FileExistsError:
+            raise _options_error(
+                f"tracer_capture: {path} exists: give another path (two runs never mix)"
+            ) from None
         except OSError as exc:
             raise _options_error(
                 f"tracer_capture: cannot open {path}: {exc.strerror or exc}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import threading
@@ -91,8 +92,15 @@ def test_reader_refuses_what_it_cannot_read(tmp_path: Path) -> None:
         list(read_records(future))
 
 
-def test_full_disk_drops_and_counts_never_raises() -> None:
-    writer = CaptureWriter("/dev/full", flush_interval=0.001)
+def _disk_full(fd: int, data: bytes | memoryview) -> int:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_full_disk_drops_and_counts_never_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(os, "write", _disk_full)
+    writer = CaptureWriter(tmp_path / "full.jsonl", flush_interval=0.001)
     start = time.monotonic()
     for i in range(1000):
         writer.write(_open(i))
@@ -134,3 +142,99 @@ def test_slow_disk_never_blocks_the_caller(tmp_path: Path, monkeypatch: pytest.M
     assert losses and losses[0]["dropped"] > 0
     kept = [r for r in records if r["type"] == "conn_open"]
     assert len(kept) + writer.dropped == 2000
+
+
+class _Disk:
+    """os.write by script: 'ok', 'fail' (nothing written, ENOSPC), 'half' (half the
+    bytes, then ENOSPC on the rest) — one step per batch the writer flushes."""
+
+    def __init__(self, steps: list[str]) -> None:
+        self.steps = steps
+        self.real = os.write
+        self.batch = 0
+        self.done = threading.Event()
+
+    def write(self, fd: int, data: bytes | memoryview) -> int:
+        step = self.steps[self.batch] if self.batch < len(self.steps) else "ok"
+        if step == "half-rest":  # the rest of a half-written batch fails
+            self.batch += 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if step == "fail":
+            self.batch += 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if step == "half":
+            self.steps[self.batch] = "half-rest"
+            return self.real(fd, bytes(data)[: max(1, len(data) // 2)])
+        self.batch += 1
+        return self.real(fd, data)
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [["ok", "fail", "half", "ok"], ["ok", "half", "fail", "ok"], ["ok", "half", "half", "ok"]],
+)
+def test_every_loss_record_parses_whatever_the_failures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: list[str]
+) -> None:
+    """A writer that fails whole, then partly (or the other way round), then recovers:
+    every line but torn fragments parses, the capture_loss record is a line of its own,
+    and the records it says were lost plus those on disk are all that were written."""
+    disk = _Disk(list(steps))
+    monkeypatch.setattr(os, "write", disk.write)
+    path = tmp_path / "cap.jsonl"
+    writer = CaptureWriter(path, flush_interval=0.001)
+    writer.write(_header())
+    sent = 0
+    for batch in range(len(steps)):
+        for _ in range(3):
+            writer.write(_open(sent))
+            sent += 1
+        deadline = time.monotonic() + 10
+        while disk.batch <= batch and time.monotonic() < deadline:
+            time.sleep(0.005)
+    writer.finish("t", "done")
+    stats = ReadStats()
+    records = list(read_records(path, stats))
+    losses = [r for r in records if r["type"] == "capture_loss"]
+    assert losses, records
+    kept = [r for r in records if r["type"] == "conn_open"]
+    assert sum(r["dropped"] for r in losses) + len(kept) >= sent
+    assert records[-1]["type"] == "capture_end"
+    lines = path.read_bytes().split(b"\n")
+    assert all(b"capture_loss" not in line or json.loads(line) for line in lines if line)
+
+
+def test_a_capture_file_is_new_private_and_never_a_symlink(tmp_path: Path) -> None:
+    path = tmp_path / "cap.jsonl"
+    CaptureWriter(path).close()
+    assert path.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(FileExistsError):
+        CaptureWriter(path)  # two runs never mix
+    target = tmp_path / "elsewhere"
+    target.write_text("precious\n")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    with pytest.raises(OSError):
+        CaptureWriter(link)
+    with pytest.raises(OSError):
+        CaptureWriter(link, append="t")
+    assert target.read_text() == "precious\n"
+
+
+def test_append_extends_only_this_taps_capture(tmp_path: Path) -> None:
+    path = tmp_path / "cap.jsonl"
+    writer = CaptureWriter(path)
+    writer.write(_header())
+    writer.finish("t", "done")
+    path.chmod(0o644)
+    again = CaptureWriter(path, append="t")
+    again.write(_header())
+    again.finish("t", "again")
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert [r["type"] for r in read_records(path)].count("capture_start") == 2
+    with pytest.raises(FileExistsError, match="tap 't'"):
+        CaptureWriter(path, append="other")
+    junk = tmp_path / "junk.txt"
+    junk.write_text("not a capture\n")
+    with pytest.raises(FileExistsError, match="not a tracer capture"):
+        CaptureWriter(junk, append="t")

@@ -64,9 +64,21 @@ class CaptureWriter:
         *,
         max_pending_bytes: int = MAX_PENDING_BYTES,
         flush_interval: float = FLUSH_INTERVAL,
+        append: str | None = None,
     ) -> None:
+        """A new file only (mode 0600, never through a symlink): an existing path raises
+        ``FileExistsError``, so two runs never mix. ``append``: the name of the tap whose
+        capture this may extend — an existing file must be that tap's capture."""
         self.path = Path(path)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        if append is None:
+            flags |= os.O_EXCL
+        else:
+            _check_append(self.path, append)
+        self._fd = os.open(self.path, flags, 0o600)
+        if append is not None:
+            with contextlib.suppress(OSError):
+                os.fchmod(self._fd, 0o600)
         self._max_pending = max_pending_bytes
         self._interval = flush_interval
         self._lock = threading.Lock()
@@ -163,8 +175,12 @@ class CaptureWriter:
             # ahead of the batch, but never ahead of the capture_start header
             at = batch.find(b"\n") + 1 if self.written == 0 else 0
             batch[at:at] = encode_line(loss.to_record())
+            loss_end = at + len(encode_line(loss.to_record()))
+        else:
+            loss_end = 0
         if self._torn:
             batch[:0] = b"\n"  # end the torn fragment so the next record parses
+            loss_end += 1 if loss_end else 0
         view = memoryview(batch)
         try:
             while view:
@@ -172,12 +188,16 @@ class CaptureWriter:
                 view = view[n:]
         except OSError as exc:
             self._shared_unsure = True
-            self._torn = len(view) != len(batch)
+            done = len(batch) - len(view)
+            if done:  # what is on disk now ends mid-record or not; nothing written: as before
+                self._torn = batch[done - 1 : done] != b"\n"
             # Records wholly unwritten are lost; a partly written one is torn.
             lost_lines = view.tobytes().count(b"\n")
             with self._lock:
                 self.dropped += lost_lines
                 self.dropped_bytes += len(view)
+            if lost and loss_end and done >= loss_end:
+                self._loss_reported += lost  # the capture_loss record itself is on disk
             if self._last_error is None:
                 log.warning("capture write failed; records dropped", error=str(exc))
             self._last_error = f"{type(exc).__name__}: {exc.strerror or exc}"
@@ -213,6 +233,27 @@ class CaptureWriter:
             force=True,
         )
         self.close()
+
+
+def _check_append(path: Path, tap: str) -> None:
+    """``--append`` extends this tap's own capture only (or makes a new file)."""
+    try:
+        with open(path, "rb") as fh:
+            first = fh.readline(1 << 20)
+    except FileNotFoundError:
+        return
+    if not first:
+        return  # an empty file: nothing to mix with
+    try:
+        header = orjson.loads(first)
+    except orjson.JSONDecodeError:
+        header = None
+    if not isinstance(header, dict) or header.get("type") != "capture_start":
+        raise FileExistsError(f"{path} exists and is not a tracer capture: not appending to it")
+    if header.get("tap") != tap:
+        raise FileExistsError(
+            f"{path} is tap {header.get('tap')!r}'s capture, not tap {tap!r}'s: not appending"
+        )
 
 
 @dataclass

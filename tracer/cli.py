@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import signal
@@ -89,9 +90,9 @@ def _fault_epilog() -> str:
         "change needs the admin token the tap printed at start, or --admin-token-file):",
         "  curl -s 127.0.0.1:9100/faults                          the plan and the injections",
         '  A="Authorization: Bearer $TOKEN"; J="content-type: application/json"',
-        "  curl -s -X PUT -H \"$A\" -H \"$J\" -d '[\"status:503@every=2\"]' 127.0.0.1:9100/faults",
+        '  curl -s -X PUT -H "$A" -H "$J" -d \'["status:503@every=2"]\' 127.0.0.1:9100/faults',
         "                                                         a new plan (a JSON list)",
-        "  curl -s -X POST -H \"$A\" -H \"$J\" -d '[\"hang-on-reuse:3\"]' 127.0.0.1:9100/faults",
+        '  curl -s -X POST -H "$A" -H "$J" -d \'["hang-on-reuse:3"]\' 127.0.0.1:9100/faults',
         "                                                         one more fault",
         '  curl -s -X DELETE -H "$A" 127.0.0.1:9100/faults        no faults',
     ]
@@ -147,7 +148,16 @@ def _parser() -> argparse.ArgumentParser:
         help="the harness connects to this tap directly (no proxy in front of it); written "
         "into the capture header (default: not declared)",
     )
-    px.add_argument("--capture", metavar="FILE", help="write the event stream here (JSON Lines)")
+    px.add_argument(
+        "--capture",
+        metavar="FILE",
+        help="write the event stream here (JSON Lines; a new file, mode 0600)",
+    )
+    px.add_argument(
+        "--append",
+        action="store_true",
+        help="extend an existing capture of this tap instead of refusing an existing --capture",
+    )
     px.add_argument(
         "--stall-after",
         type=float,
@@ -245,7 +255,8 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     wt = sub.add_parser("watch", help="record engine evidence alone (no proxy)")
-    wt.add_argument("--capture", required=True, metavar="FILE")
+    wt.add_argument("--capture", required=True, metavar="FILE", help="a new file (mode 0600)")
+    wt.add_argument("--append", action="store_true", help="extend an existing capture of this tap")
     wt.add_argument("--tap", default="watch", metavar="NAME")
     wt.add_argument(
         "--duration",
@@ -383,6 +394,23 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_USAGE
 
 
+def open_capture(path: str, tap: str, append: bool) -> CaptureWriter:
+    """A capture file of this run's own: a new file (0600, not through a symlink), or
+    with ``--append`` this tap's existing capture. Errors say what to do."""
+    try:
+        return CaptureWriter(path, append=tap if append else None)
+    except FileExistsError as exc:
+        if append:
+            raise ValueError(f"capture {exc}") from None
+        raise ValueError(
+            f"capture {path} exists: give another path, or --append to extend this tap's capture"
+        ) from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError(f"capture {path} is a symbolic link: not followed") from None
+        raise ValueError(f"cannot open capture {path}: {exc.strerror or exc}") from None
+
+
 def _proxy(args: argparse.Namespace) -> int:
     host, port = parse_hostport(args.listen)
     up_host, up_port = parse_upstream(args.upstream)
@@ -425,12 +453,7 @@ def _proxy(args: argparse.Namespace) -> int:
     )
     if args.fault_control and admin is None:
         raise ValueError("--fault-control needs --admin HOST:PORT (its /faults changes them)")
-    writer: CaptureWriter | None = None
-    if args.capture:
-        try:
-            writer = CaptureWriter(args.capture)
-        except OSError as exc:
-            raise ValueError(f"cannot open capture {args.capture}: {exc.strerror or exc}") from exc
+    writer = open_capture(args.capture, config.name, args.append) if args.capture else None
     tap = Tap(config, capture=writer)
     poller = engine_poller(args, config.name, tap.safe_emit, tap.wall_offset)
     if args.probe_on_stall:
@@ -538,10 +561,7 @@ def _watch(args: argparse.Namespace) -> int:
     from . import __version__
     from . import events as ev
 
-    try:
-        writer = CaptureWriter(args.capture)
-    except OSError as exc:
-        raise ValueError(f"cannot open capture {args.capture}: {exc.strerror or exc}") from exc
+    writer = open_capture(args.capture, args.tap, args.append)
     wall = _time.time() - _time.monotonic()
     now = _time.monotonic()
     writer.write(

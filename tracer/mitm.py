@@ -1293,8 +1293,9 @@ def read_frames(stream: IO[bytes]) -> Iterator[list[tuple[Any, ...]]]:
 
 
 def open_engine(path: str, settings: Settings, header: dict[str, Any]) -> MitmEngine:
-    """The engine writing the capture at ``path`` (appended, as the tap's)."""
-    return MitmEngine(CaptureWriter(Path(path).expanduser()), settings, header)
+    """The engine writing the capture at ``path``: the new (empty) file the addon made."""
+    writer = CaptureWriter(Path(path).expanduser(), append=settings.tap)
+    return MitmEngine(writer, settings, header)
 
 
 def run_capture_process(stream: IO[bytes]) -> int:

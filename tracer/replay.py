@@ -639,6 +639,8 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         writer = CaptureWriter(out)
+    except FileExistsError:
+        raise ValueError(f"capture {out} exists: give another --capture") from None
     except OSError as exc:
         raise ValueError(f"cannot open capture {out}: {exc.strerror or exc}") from exc
     tap = Tap(config, capture=writer)
