@@ -219,7 +219,7 @@ def test_an_appended_capture_names_only_its_own_bodies(tmp_path: Path) -> None:
     path = tmp_path / "c.jsonl"
     first, second = _turns(2, start="one"), _turns(2, start="two")
     for turns in (first, second):
-        writer = _capture(path)
+        writer = _capture(path, append="t")  # the second run extends the first's capture
         assert writer.write(_request_end(1, 1, turns[0]))
         writer.write(_request_end(1, 2, turns[1]))
         writer.close()

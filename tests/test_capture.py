@@ -8,6 +8,8 @@ import json
 import os
 import threading
 import time
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +41,33 @@ def test_round_trip_every_field(tmp_path: Path) -> None:
     assert isinstance(got[-1], ev.CaptureEnd) and got[-1].dropped == 0
 
 
+def _value(hint: Any, name: str) -> Any:
+    """A value of the annotated type, telling fields apart."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return args[0]
+    if origin in (typing.Union, types.UnionType):
+        return _value(args[0], name)
+    kind = origin or hint
+    samples = {
+        float: 1.5 + len(name),
+        int: 7 + len(name),
+        bool: True,
+        list: [name],
+        dict: {"k": name},
+    }
+    return samples.get(kind, f"{name}-value")
+
+
 def _sample(cls: type[ev.Event], fill: bool) -> ev.Event:
     """An instance with every field set (``fill``) or only the required ones."""
+    hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if required or fill:
-            kwargs[f.name] = f"{f.name}-value"
+            kwargs[f.name] = _value(hints[f.name], f.name)
     return cls(**kwargs)
 
 
@@ -238,3 +260,36 @@ def test_append_extends_only_this_taps_capture(tmp_path: Path) -> None:
     junk.write_text("not a capture\n")
     with pytest.raises(FileExistsError, match="not a tracer capture"):
         CaptureWriter(junk, append="t")
+
+
+def test_wrong_typed_records_are_counted_with_their_lines_and_skipped(tmp_path: Path) -> None:
+    """A string time, a quoted status, 1e308, NaN, an unknown termination: each record is
+    one bad line (with its line number among the first few), never a crash downstream."""
+    path = tmp_path / "bad.jsonl"
+    good = _open(1).to_record()
+    lines = [
+        _header().to_record(),
+        good,
+        {**_open(2).to_record(), "t": "yesterday"},
+        {"type": "response", "t": 3.0, "m": 3.0, "tap": "t", "conn": 1, "seq": 1,
+         "status": "200", "reason": "", "version": "1.1", "headers": [], "ttfb": 0.1},
+        {**_open(3).to_record(), "m": 1e308},
+        {"type": "response_end", "t": 4.0, "m": 4.0, "tap": "t", "conn": 1, "seq": 1,
+         "termination": "exploded", "body_bytes": 0, "duration": 1.0, "events": 0},
+        {**_open(4).to_record(), "conn": True},
+    ]  # fmt: skip
+    path.write_text(
+        "".join(json.dumps(r) + "\n" for r in lines) + '{"type": "conn_open", "t": NaN}\n'
+    )
+    stats = ReadStats()
+    events = list(read_events(path, stats))
+    assert [type(e).__name__ for e in events] == ["CaptureStart", "ConnOpen"]
+    assert stats.bad_lines == 6 and stats.invalid_records == 5
+    assert stats.problems[0].startswith("line 3: conn_open.t")
+    assert len(stats.problems) == 5
+    from tracer.analysis import Summary
+
+    with Summary() as summary:
+        for event in events:
+            summary.feed(event)
+        assert summary.result()["totals"]["connections"] == 1

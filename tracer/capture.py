@@ -265,6 +265,16 @@ class ReadStats:
     torn_tail: bool = False
     bodies_unresolved: int = 0  # kept bodies lost with the record their prefix was in
     headers: list[dict[str, Any]] = field(default_factory=list)
+    lines: int = 0  # lines read so far (the line number of the last one)
+    invalid_records: int = 0  # records of a known type with wrong-typed fields: skipped
+    problems: list[str] = field(default_factory=list)  # the first few, with their lines
+
+    def invalid(self, why: str) -> None:
+        self.invalid_records += 1
+        self.bad_lines += 1
+        self.records -= 1  # counted as read, skipped as bad
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(why)
 
     def describe(self, path: str) -> dict[str, Any]:
         """What reading a capture found, as the analysis lists it per capture."""
@@ -272,10 +282,14 @@ class ReadStats:
             "path": path,
             "records": self.records,
             "bad_lines": self.bad_lines,
+            **({"problems": self.problems} if self.problems else {}),
             "torn_tail": self.torn_tail,
             "bodies_unresolved": self.bodies_unresolved,
             "version": self.version,
         }
+
+
+MAX_PROBLEMS = 5  # bad lines quoted per capture (all are counted)
 
 
 class CaptureError(Exception):
@@ -298,6 +312,7 @@ def read_records(
 def _read_lines(fh: Any, stats: ReadStats, name: str) -> Iterator[dict[str, Any]]:
     first = True
     for raw in fh:
+        stats.lines += 1
         if not raw.endswith(b"\n"):
             stats.torn_tail = True
             try:
@@ -309,9 +324,13 @@ def _read_lines(fh: Any, stats: ReadStats, name: str) -> Iterator[dict[str, Any]
                 record = orjson.loads(raw)
             except ValueError:
                 stats.bad_lines += 1
+                if len(stats.problems) < MAX_PROBLEMS:
+                    stats.problems.append(f"line {stats.lines}: not JSON")
                 continue
         if not isinstance(record, dict):
             stats.bad_lines += 1
+            if len(stats.problems) < MAX_PROBLEMS:
+                stats.problems.append(f"line {stats.lines}: not a JSON object")
             continue
         if first:
             first = False
@@ -350,7 +369,11 @@ def read_events(path: str | os.PathLike[str], stats: ReadStats | None = None) ->
     stats = stats if stats is not None else ReadStats()
     bodies = BodyResolver()
     for record in read_records(path, stats):
-        event = event_from_record(record, bodies)
+        try:
+            event = event_from_record(record, bodies)
+        except (ev.InvalidRecord, TypeError, ValueError, KeyError, AttributeError) as exc:
+            stats.invalid(f"line {stats.lines}: {exc}")  # a record with wrong-typed fields
+            continue
         stats.bodies_unresolved = bodies.unresolved
         if event is None:
             stats.unknown_types += 1

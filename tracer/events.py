@@ -26,6 +26,8 @@ when a field changes meaning; adding fields does not change it.
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -108,17 +110,76 @@ def _never_none(f: dataclasses.Field[Any]) -> bool:
     return no_default and "None" not in str(f.type)
 
 
+class InvalidRecord(ValueError):
+    """A record of a known type whose fields have the wrong types or impossible values."""
+
+
 def from_record(record: dict[str, Any]) -> Event | None:
-    """Rebuild an event from a capture record; None for an unknown type."""
+    """Rebuild an event from a capture record; None for an unknown type. A record whose
+    fields have the wrong types (a string time, ``"status": "200"``) or out-of-range
+    numbers (1e308, NaN) raises ``InvalidRecord``: readers count and skip it."""
     cls = _REGISTRY.get(record.get("type", ""))
     if cls is None:
         return None
     names = _FIELDS[cls]
     kwargs = {k: v for k, v in record.items() if k in names}
+    specs = _SPECS.get(cls)
+    if specs is None:
+        specs = _SPECS[cls] = _specs_of(cls)
+    kinds, numbers, literals = specs
+    for name, value in kwargs.items():
+        if type(value) not in kinds[name]:
+            raise InvalidRecord(f"{cls.TYPE}.{name}: {type(value).__name__} is the wrong type")
+        if name in numbers and value is not None and not -_MAX_NUMBER <= value <= _MAX_NUMBER:
+            raise InvalidRecord(f"{cls.TYPE}.{name}: {value!r} is out of range")  # NaN too
+        if literals and name in literals and value is not None and value not in literals[name]:
+            raise InvalidRecord(f"{cls.TYPE}.{name}: {value!r} is not one of {literals[name]}")
     try:
         return cls(**kwargs)
-    except TypeError:
-        return None
+    except TypeError as exc:  # a required field missing
+        raise InvalidRecord(f"{cls.TYPE}: {exc}") from None
+
+
+# per class: the exact types each field's JSON value may have (NoneType where null is
+# allowed), the fields that are numbers (finite, bounded), the values a Literal allows
+_Specs = tuple[dict[str, frozenset[type]], frozenset[str], dict[str, tuple[Any, ...]]]
+_SPECS: dict[type[Event], _Specs] = {}
+_MAX_NUMBER = 1e15  # times, sizes and counts stay far below; 1e308 would overflow sums
+_ANY: frozenset[type] = frozenset({int, float, str, bool, list, dict, type(None)})
+_JSON_TYPES: dict[Any, frozenset[type]] = {
+    int: frozenset({int}),
+    float: frozenset({int, float}),
+    str: frozenset({str}),
+    bool: frozenset({bool}),
+    list: frozenset({list}),
+    dict: frozenset({dict}),
+}
+
+
+def _specs_of(cls: type[Event]) -> _Specs:
+    hints = typing.get_type_hints(cls)
+    kinds: dict[str, frozenset[type]] = {}
+    numbers: set[str] = set()
+    literals: dict[str, tuple[Any, ...]] = {}
+    for name in _FIELDS[cls]:
+        hint, args = hints[name], typing.get_args(hints[name])
+        nullable: frozenset[type] = frozenset()
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            rest = [a for a in args if a is not type(None)]
+            if len(rest) < len(args):
+                nullable = frozenset({type(None)})
+            if len(rest) != 1:
+                kinds[name] = _ANY  # a union of several kinds: only JSON types
+                continue
+            hint, args = rest[0], typing.get_args(rest[0])
+        if typing.get_origin(hint) is typing.Literal:
+            kinds[name] = frozenset(type(a) for a in args) | nullable
+            literals[name] = args
+            continue
+        kinds[name] = _JSON_TYPES.get(typing.get_origin(hint) or hint, _ANY) | nullable
+        if hint in (int, float):
+            numbers.add(name)
+    return kinds, frozenset(numbers), literals
 
 
 def event_types() -> dict[str, type[Event]]:
