@@ -250,3 +250,27 @@ def test_analyze_json_counts_lost_bodies_and_takes_a_capture_without_requests(
         result = analyze_json(capture)
         assert result["captures"][0]["bodies_unresolved"] == lost
         assert result["requests"] == [] and result["connections"] == []
+
+
+def test_the_body_memory_budget_bounds_every_body_held_together() -> None:
+    """Two bodies streaming at once under a 1 KiB budget: the first is held, the second
+    goes over and is hashed as it streams (its record says so); the budget is given back
+    when a body ends, or is dropped unfinished."""
+    from tracer.bodies import OVER_BUDGET, BodyBudget, RequestBody
+
+    budget = BodyBudget(1024)
+    first, second = RequestBody(1 << 20, budget=budget), RequestBody(1 << 20, budget=budget)
+    first.add(b"a" * 600)
+    second.add(b"b" * 300)
+    assert budget.held == 900
+    second.add(b"b" * 300)  # 1,200 > 1,024: hashed from here on
+    assert second.parts is None and budget.held == 600 and budget.exceeded == 1
+    record = second.record(keep=True, json_body=True)
+    assert record["body_note"] == OVER_BUDGET and not record["body_kept"]
+    assert record["body_sha256"] == hashlib.sha256(b"b" * 600).hexdigest()
+    assert first.record(keep=True, json_body=False)["body_kept"] and budget.held == 0
+    third = RequestBody(1 << 20, budget=budget)
+    third.add(b"c" * 100)
+    assert budget.held == 100
+    del third  # its connection was cut mid-body
+    assert budget.held == 0

@@ -113,33 +113,72 @@ def content_digest(obj: dict[str, Any]) -> str | None:
     return None
 
 
+class BodyBudget:
+    """What all the request bodies one tap holds in memory may take together (bodies
+    kept for the capture, JSON kept for its OpenAI fields): past it, a body is hashed as
+    it streams instead of held, and its record says so (``body_note``)."""
+
+    __slots__ = ("exceeded", "held", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self.exceeded = 0  # bodies that went over it
+
+
+OVER_BUDGET = "over the tap's body memory budget: hashed, not kept"
+
+
 class RequestBody:
     """A request body as its pieces arrive, for its ``request_end`` record (both taps).
 
-    Its pieces are kept up to ``limit`` bytes; from the piece that passes it (or from the
-    start, with ``keep=False``) it is hashed as it goes by instead, the pieces before
-    included. ``record`` gives the body's fields once it has ended.
+    Its pieces are kept up to ``limit`` bytes, and while the tap's ``budget`` (all the
+    bodies it holds) has room; from the piece that passes either (or from the start,
+    with ``keep=False``) it is hashed as it goes by instead, the pieces before included.
+    ``record`` gives the body's fields once it has ended.
     """
 
-    __slots__ = ("hash", "limit", "parts", "size")
+    __slots__ = ("budget", "hash", "held", "limit", "note", "parts", "size")
 
-    def __init__(self, limit: int, *, keep: bool = True) -> None:
+    def __init__(self, limit: int, *, keep: bool = True, budget: BodyBudget | None = None) -> None:
         self.limit = limit
         self.size = 0
         self.parts: list[bytes] | None = [] if keep else None
         self.hash: Any = None if keep else hashlib.sha256()
+        self.budget = budget
+        self.held = 0
+        self.note: str | None = None
 
     def add(self, data: bytes) -> None:
         self.size += len(data)
         parts = self.parts
         if parts is None:
             self.hash.update(data)
-        elif self.size > self.limit:  # hashed from here on, not kept
+            return
+        budget = self.budget
+        over = budget is not None and budget.held + len(data) > budget.limit
+        if self.size > self.limit or over:  # hashed from here on, not kept
             self.hash = hashlib.sha256(b"".join(parts))
             self.hash.update(data)
             self.parts = None
-        else:
-            parts.append(data)
+            self.release()
+            if over and budget is not None:
+                budget.exceeded += 1
+                self.note = OVER_BUDGET
+            return
+        parts.append(data)
+        if budget is not None:
+            budget.held += len(data)
+            self.held += len(data)
+
+    def release(self) -> None:
+        """Give back to the budget what this body holds."""
+        if self.held and self.budget is not None:
+            self.budget.held -= self.held
+        self.held = 0
+
+    def __del__(self) -> None:  # a body dropped unfinished (its connection cut) gives back
+        self.release()
 
     def record(self, *, keep: bool, json_body: bool) -> dict[str, Any]:
         """The ``request_end`` fields of the ended body, its pieces let go: the body itself
@@ -147,11 +186,14 @@ class RequestBody:
         ``derive_request_end``), else its hash and, for JSON, its OpenAI fields."""
         body = b"".join(self.parts) if self.parts is not None else None
         self.parts = None
+        self.release()
         if keep and body:
             text, encoding = encode_body(body)
             return {"body": text, "body_encoding": encoding, "body_kept": True}
         digest = (self.hash or hashlib.sha256(body or b"")).hexdigest()
         out: dict[str, Any] = {"body_sha256": digest, "body_kept": self.size == 0}
+        if self.note is not None:
+            out["body_note"] = self.note
         if body and json_body:
             out |= openai_fields(body)
         return out

@@ -179,6 +179,15 @@ def _parser() -> argparse.ArgumentParser:
         "default: one generated at start and printed once",
     )
     px.add_argument(
+        "--body-memory",
+        type=float,
+        default=64.0,
+        metavar="MIB",
+        help="memory all request bodies held at once may take (kept for the capture, JSON "
+        "for its fields); past it a body is hashed as it streams, and its record says so "
+        "(default: %(default)s MiB)",
+    )
+    px.add_argument(
         "--bodies",
         choices=["none", "requests", "all"],
         default="requests",
@@ -431,6 +440,8 @@ def _proxy(args: argparse.Namespace) -> int:
             raise ValueError(f"--admin-token-file: {exc.strerror or exc}") from None
         if len(token) < 16:
             raise ValueError("--admin-token-file: the token must be 16 characters or more")
+    if args.body_memory < 0:
+        raise ValueError("--body-memory must be 0 or more (MiB)")
     config = TapConfig(
         listen_host=host,
         listen_port=port,
@@ -441,6 +452,7 @@ def _proxy(args: argparse.Namespace) -> int:
         connect_timeout=args.connect_timeout,
         idle_timeout=args.idle_timeout,
         bodies=args.bodies,
+        body_memory=int(args.body_memory * 1024 * 1024),
         max_header_bytes=args.max_header_bytes,
         faults=list(args.fault),
         fault_control=args.fault_control,

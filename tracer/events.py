@@ -319,6 +319,7 @@ class RequestEnd(Event):
     body: str | None = None
     body_encoding: Literal["utf-8", "base64"] | None = None
     body_kept: bool = False
+    body_note: str | None = None  # why a body that would have been kept was not
     model: str | None = None
     stream: bool | None = None
     max_tokens: int | None = None

@@ -55,6 +55,7 @@ from anyio.abc import TaskStatus
 
 from . import __version__, topology
 from . import events as ev
+from .bodies import BodyBudget
 from .capture import CaptureWriter, boot_id
 from .faults import (
     Action,
@@ -91,6 +92,7 @@ class TapConfig:
     bodies: Bodies = "requests"
     max_header_bytes: int = 64 * 1024
     max_body_keep: int = 16 * 1024 * 1024
+    body_memory: int = 64 * 1024 * 1024  # --body-memory: every body held, together
     faults: list[Fault] = field(default_factory=list)  # --fault: opt-in, altering traffic
     fault_control: bool = False  # --fault-control: the faults change at run time (admin)
     inject_request_id: bool = False  # --inject-request-id: opt-in, altering traffic
@@ -152,6 +154,7 @@ class Tap:
         self.config = config
         self.capture = capture
         self.stats = TapStats()
+        self.body_budget = BodyBudget(config.body_memory)
         self.fault_plan = (
             FaultPlan(config.faults) if config.faults or config.fault_control else None
         )
@@ -511,6 +514,11 @@ class Tap:
             "upstream": self.config.upstream_url,
             "uptime": round(now - self.started_m, 3),
             "connections": conns,
+            "body_memory": {
+                "held": self.body_budget.held,
+                "limit": self.body_budget.limit,
+                "bodies_over": self.body_budget.exceeded,
+            },
         }
 
 
@@ -535,6 +543,7 @@ class _Relay:
             bodies=cfg.bodies,
             max_header_bytes=cfg.max_header_bytes,
             max_body_keep=cfg.max_body_keep,
+            budget=tap.body_budget,
         )
         self.connecting = False
         self.held: list[bytes] = []  # client bytes read while the upstream connects
@@ -1216,5 +1225,3 @@ def _addr(value: Any) -> str:
         host = str(value[0])
         return f"[{host}]:{value[1]}" if ":" in host else f"{host}:{value[1]}"
     return str(value)
-
-

@@ -54,7 +54,7 @@ from typing import Any, Literal
 import h11
 
 from . import events as ev
-from .bodies import RequestBody, encode_body
+from .bodies import BodyBudget, RequestBody, encode_body
 from .framing import BodyDecoder, FramingError, body_framing
 from .redact import redact_headers, redact_target, scrub_text
 from .sse import SseEvent, SseSplitter, is_event_stream
@@ -179,8 +179,10 @@ class ConnectionObserver:
         bodies: Bodies = "requests",
         max_header_bytes: int = MAX_HEADER_BYTES,
         max_body_keep: int = MAX_BODY_KEEP,
+        budget: BodyBudget | None = None,
     ) -> None:
         self.tap = tap
+        self._budget = budget  # the tap's: all the request bodies it holds
         self.conn = conn
         self._emit = emit
         self._wall = wall_offset
@@ -449,7 +451,7 @@ class ConnectionObserver:
                 upgrade.append((name, value))
         method = event.method.decode("latin-1")
         keep = json_body or self._bodies != "none"  # for the record, or for its fields
-        body = RequestBody(self._max_body_keep, keep=keep)
+        body = RequestBody(self._max_body_keep, keep=keep, budget=self._budget)
         req = _Request(self.seq, start_m, method, json_body, body)
         req.mirror += upgrade  # so that the head parser accepts a 101 to an Upgrade
         req.may_switch = method == "CONNECT" or any(n == b"upgrade" for n, _ in upgrade)
