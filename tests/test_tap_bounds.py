@@ -49,3 +49,64 @@ async def test_unfinished_json_bodies_stay_within_the_body_budget(tmp_path: Path
     assert len(ends) == 8
     over = [r for r in ends if r.get("body_note")]
     assert over and all(r["body_sha256"] and not r["body_kept"] for r in over)
+
+
+async def test_past_max_connections_the_tap_answers_503_itself(tmp_path: Path) -> None:
+    async def hold(stream: SocketStream, conn: UpConn) -> None:
+        await conn.wait_for(lambda c: c.eof or c.reset, timeout=30)
+
+    upstream = RawUpstream(hold)
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(upstream.serve)
+        async with running_tap(port, tmp_path, max_connections=2) as handle:
+            kept = [await anyio.connect_tcp("127.0.0.1", handle.port) for _ in range(2)]
+            await wait_until(lambda: handle.tap.stats.connections_open == 2)
+            extra = await anyio.connect_tcp("127.0.0.1", handle.port)
+            answer = b""
+            with anyio.fail_after(5):
+                try:
+                    while True:
+                        answer += await extra.receive()
+                except (anyio.EndOfStream, anyio.BrokenResourceError):
+                    pass
+            assert answer.startswith(b"HTTP/1.1 503 ") and b"--max-connections (2)" in answer
+            assert handle.tap.stats.connections_refused == 1
+            for s in [*kept, extra]:
+                await s.aclose()
+        tg.cancel_scope.cancel()
+
+
+async def test_out_of_descriptors_is_the_taps_own_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EMFILE when the tap connects upstream: a 503 naming the tap, not a 502 blaming the
+    upstream."""
+    import asyncio
+    import errno as errno_
+
+    async def never(*args: object, **kwargs: object) -> None:
+        raise OSError(errno_.EMFILE, "Too many open files")
+
+    async def idle(stream: SocketStream, conn: UpConn) -> None:
+        await conn.wait_for(lambda c: c.eof or c.reset, timeout=30)
+
+    upstream = RawUpstream(idle)
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(upstream.serve)
+        async with running_tap(port, tmp_path) as handle:
+            async with await anyio.connect_tcp("127.0.0.1", handle.port) as s:
+                monkeypatch.setattr(asyncio.get_running_loop(), "create_connection", never)
+                await s.send(b"GET /v1/models HTTP/1.1\r\nHost: r\r\n\r\n")
+                answer = b""
+                with anyio.fail_after(5):
+                    try:
+                        while True:
+                            answer += await s.receive()
+                    except (anyio.EndOfStream, anyio.BrokenResourceError):
+                        pass
+        tg.cancel_scope.cancel()
+    assert answer.startswith(b"HTTP/1.1 503 ") and b"the tap itself is out of resources" in answer
+    assert b"EMFILE" in answer and b"unreachable" not in answer
+    records = list(read_records(handle.capture))
+    ends = [r for r in records if r["type"] == "response_end"]
+    assert ends and ends[0]["status"] == 503

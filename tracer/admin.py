@@ -101,6 +101,11 @@ class _TapCollector:
         yield stalls
         yield gauge("tracer_stalls_active", "Requests stalled now.", stats.stalls_active)
         yield counter(
+            "tracer_connections_refused",
+            "Client connections the tap answered 503 itself (--max-connections).",
+            stats.connections_refused,
+        )
+        yield counter(
             "tracer_upstream_connect_failures",
             "Upstream connects that failed.",
             stats.upstream_connect_failures,

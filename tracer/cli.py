@@ -179,6 +179,14 @@ def _parser() -> argparse.ArgumentParser:
         "default: one generated at start and printed once",
     )
     px.add_argument(
+        "--max-connections",
+        type=int,
+        default=0,
+        metavar="N",
+        help="client connections open at once; past it the tap answers 503 itself and logs "
+        "it (default: 0, no limit but the process's descriptors)",
+    )
+    px.add_argument(
         "--body-memory",
         type=float,
         default=64.0,
@@ -440,6 +448,8 @@ def _proxy(args: argparse.Namespace) -> int:
             raise ValueError(f"--admin-token-file: {exc.strerror or exc}") from None
         if len(token) < 16:
             raise ValueError("--admin-token-file: the token must be 16 characters or more")
+    if args.max_connections < 0:
+        raise ValueError("--max-connections must be 0 (no limit) or more")
     if args.body_memory < 0:
         raise ValueError("--body-memory must be 0 or more (MiB)")
     config = TapConfig(
@@ -453,6 +463,7 @@ def _proxy(args: argparse.Namespace) -> int:
         idle_timeout=args.idle_timeout,
         bodies=args.bodies,
         body_memory=int(args.body_memory * 1024 * 1024),
+        max_connections=args.max_connections,
         max_header_bytes=args.max_header_bytes,
         faults=list(args.fault),
         fault_control=args.fault_control,

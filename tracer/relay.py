@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import functools
 import math
@@ -76,6 +77,8 @@ from .sniff import Bodies, ConnectionObserver, not_http
 log = structlog.get_logger("tracer.relay")
 
 READ_SIZE = 65536
+# errors that are the tap's own limits, not its upstream's: reported as such (503)
+OWN_LIMITS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 LAG_WINDOW = 1.0  # seconds: at most one tap_lag record per window
 
 
@@ -93,6 +96,7 @@ class TapConfig:
     max_header_bytes: int = 64 * 1024
     max_body_keep: int = 16 * 1024 * 1024
     body_memory: int = 64 * 1024 * 1024  # --body-memory: every body held, together
+    max_connections: int = 0  # --max-connections: past it the tap answers 503 itself (0: none)
     faults: list[Fault] = field(default_factory=list)  # --fault: opt-in, altering traffic
     fault_control: bool = False  # --fault-control: the faults change at run time (admin)
     inject_request_id: bool = False  # --inject-request-id: opt-in, altering traffic
@@ -130,6 +134,7 @@ def parse_hostport(value: str) -> tuple[str, int]:
 class TapStats:
     connections_total: int = 0
     connections_open: int = 0
+    connections_refused: int = 0  # over --max-connections: answered 503 by the tap
     requests_total: int = 0
     upstream_connect_failures: int = 0
     anomalies: int = 0
@@ -155,6 +160,7 @@ class Tap:
         self.capture = capture
         self.stats = TapStats()
         self.body_budget = BodyBudget(config.body_memory)
+        self._refused_logged = -1.0
         self.fault_plan = (
             FaultPlan(config.faults) if config.faults or config.fault_control else None
         )
@@ -486,6 +492,27 @@ class Tap:
 
     # ---- live status --------------------------------------------------------------
 
+    def refuse(self, transport: asyncio.Transport) -> None:
+        """A client over ``--max-connections``: the tap's own 503, and a log line (at most
+        one a second, with the count refused since)."""
+        self.stats.connections_refused += 1
+        limit = self.config.max_connections
+        body = f"tracer: this tap is at --max-connections ({limit}); try again later\n".encode()
+        transport.write(
+            b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            b"content-length: %d\r\nconnection: close\r\nretry-after: 1\r\nx-tracer: %s"
+            b"\r\n\r\n%s" % (len(body), self.config.name.encode(), body)
+        )
+        transport.close()
+        now = time.monotonic()
+        if now - self._refused_logged >= 1.0:
+            self._refused_logged = now
+            log.warning(
+                "connection refused: --max-connections reached",
+                limit=limit,
+                refused=self.stats.connections_refused,
+            )
+
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
         conns = []
@@ -642,7 +669,19 @@ class _Relay:
                 )
             )
             if not self.finished and not self.client_lost:
-                self._answer(502, "Bad Gateway", f"tracer: upstream {addr} unreachable: {error}\n")
+                if isinstance(exc, OSError) and exc.errno in OWN_LIMITS:
+                    # the tap's own limit (descriptors, memory), never the upstream's fault
+                    log.error("the tap is out of resources", conn=self.id, error=error)
+                    self._answer(
+                        503,
+                        "Service Unavailable",
+                        f"tracer: the tap itself is out of resources ({error}); "
+                        f"upstream {addr} was not tried\n",
+                    )
+                else:
+                    self._answer(
+                        502, "Bad Gateway", f"tracer: upstream {addr} unreachable: {error}\n"
+                    )
             return
         done = time.monotonic()
         # (uvloop's transport is not an asyncio.Transport subclass: no isinstance checks)
@@ -1137,6 +1176,10 @@ class _ClientSide(asyncio.Protocol):
         transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         if self.tap.stopping:
             transport.abort()
+            return
+        limit = self.tap.config.max_connections
+        if limit and self.tap.stats.connections_open >= limit:
+            self.tap.refuse(transport)
             return
         inject = self.tap.config.inject_request_id
         if self.tap.fault_plan is not None:
