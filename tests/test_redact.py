@@ -88,7 +88,7 @@ SK = "sk-proj-AbCdEfGhIjKlMnOpQrSt1234"
         "X-Access-Tokens",
         "X-Signature",
         "x-jwt-assertion",
-    ],  # fmt: skip
+    ],
 )
 def test_names_outside_the_old_list_are_secrets(name: str) -> None:
     assert is_secret(name) and redact_value(name, "v4lue") == REDACTED

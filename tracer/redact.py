@@ -86,9 +86,11 @@ def scrub_text(text: str) -> str:
     text = _SHAPES.sub(lambda m: (m.group(1) or "") + REDACTED, text)
     if ":" in text or "=" in text:
         text = _PAIR.sub(
-            lambda m: m.group(1) + m.group(2) + REDACTED
-            if is_secret(m.group(1)) and m.group(3) != REDACTED
-            else m.group(0),
+            lambda m: (
+                m.group(1) + m.group(2) + REDACTED
+                if is_secret(m.group(1)) and m.group(3) != REDACTED
+                else m.group(0)
+            ),
             text,
         )
     return text
