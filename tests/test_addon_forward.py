@@ -223,9 +223,11 @@ async def test_failed_tls_handshakes_are_named(tmp_path: Path) -> None:
     failed = by_kind["client_connection_failed"]
     assert failed["party"] == "client"
     assert failed["connections"] == [f"mitm/{untrusted[0]['conn']}"]
-    assert "TLS handshake failed" in failed["summary"]
+    (quoted,) = failed["evidence"]
+    assert quoted["figures"]["error"] == untrusted[0]["error"]  # the TLS handshake failed
     unreachable = by_kind["upstream_unreachable"]
-    assert unreachable["summary"] == "The tap's TLS handshake with its upstream failed."
+    (connect,) = [e for e in unreachable["evidence"] if "connect_failed" in e["figures"]]
+    assert connect["figures"]["tls"] is True  # the TLS handshake with its upstream
     assert "does the upstream speak TLS" in unreachable["settle"]
     (row,) = doc["requests"]
     assert (row["request_id"], row["status"]) == ("no-tls", 502)
@@ -253,7 +255,8 @@ async def test_an_untrusted_upstream_certificate_is_named(tmp_path: Path) -> Non
     doc = analyze_json(capture)
     (finding,) = doc["findings"]
     assert finding["kind"] == "upstream_unreachable"
-    assert finding["summary"] == "The tap's TLS handshake with its upstream failed."
+    (connect,) = [e for e in finding["evidence"] if "connect_failed" in e["figures"]]
+    assert connect["figures"]["tls"] is True  # the TLS handshake with its upstream
     assert doc["requests"][0]["termination"] == "tracer_response"
 
 

@@ -117,10 +117,15 @@ async def test_streams_on_one_connection_end_and_stall_each_on_its_own(tmp_path:
     assert kinds["mitm/1/5"] == "stream_cut" and kinds["mitm/1/2"] == "upstream_silent"
     (reset_finding,) = [f for f in doc["findings"] if "mitm/1/3" in f["requests"]]
     assert reset_finding["kind"] == "client_abort" and reset_finding["party"] == "client"
-    assert "reset the HTTP/2 stream" in reset_finding["summary"]
-    evidence = [e for f in doc["findings"] for e in f["evidence"]]
-    assert any("HTTP/2.0 stream on a connection already open" in e for e in evidence)
-    assert not any("keep-alive" in e for e in evidence)
+    reset_row = rows["h2-2"]  # the client reset the HTTP/2 stream
+    assert reset_finding["requests"] == [f"mitm/{reset_row['conn']}/{reset_row['seq']}"]
+    assert reset_row["detail"].startswith("stream reset by client")
+    positions = [
+        e["figures"] for f in doc["findings"] for e in f["evidence"] if "seq" in e["figures"]
+    ]
+    # streams on a connection already open, not keep-alive turns after an idle time
+    assert any(p["reused"] and p["version"] == "2.0" for p in positions)
+    assert not any("idle_before" in p for p in positions)
     assert {rows[r]["version"] for r in rows} == {"2.0"}
 
 

@@ -1232,4 +1232,4 @@ async def test_the_addon_in_front_of_the_native_tap_tells_each_failure_once(tmp_
     ]
     for f in faults:
         assert f["requests"][0].startswith("back/")  # the tap nearest the engine tells it
-        assert any(e.startswith("the same at tap front: ") for e in f["evidence"])
+        assert any(e["tap"] == "front" and e["figures"].get("same_failure") for e in f["evidence"])

@@ -136,9 +136,9 @@ def test_spilled_rows_give_the_same_output_as_rows_in_memory(
         kept.feed(event)
     assert spilled.requests.store.spills > 100 and kept.requests.store.spills == 0
     assert spilled.late_events == 0
-    monkeypatch.setattr(findings, "SPILL_ITEMS", 101)  # the cross-tap join spills too
+    monkeypatch.setattr(findings.join, "SPILL_ITEMS", 101)  # the cross-tap join spills too
     a = outputs(spilled, text=False)
-    monkeypatch.setattr(findings, "SPILL_ITEMS", 10**9)
+    monkeypatch.setattr(findings.join, "SPILL_ITEMS", 10**9)
     b = outputs(kept, text=False)
     assert a == b
     doc = json.loads(a["json"])
@@ -208,7 +208,7 @@ def _peak(requests: int) -> int:
 def test_peak_memory_does_not_grow_with_the_capture(monkeypatch: pytest.MonkeyPatch) -> None:
     """Small bounds, so that both sizes are past the first merges of runs (memory then
     grows only by a few KiB per merge level: with the logarithm of the capture)."""
-    monkeypatch.setattr(findings, "SPILL_ITEMS", 101)
+    monkeypatch.setattr(findings.join, "SPILL_ITEMS", 101)
     monkeypatch.setattr(spill, "FAN_IN", 4)
     monkeypatch.setattr(spill, "READ_BUDGET", 64 * 1024)
     small, large = _peak(1_000), _peak(4_000)

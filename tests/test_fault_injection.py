@@ -634,9 +634,11 @@ async def test_close_idle_after_behind_a_recording_tap(tmp_path: Path) -> None:
     assert doc["verdict"]["kind"] == "healthy"
     (note,) = doc["findings"]
     assert note["kind"] == "injected_fault" and note["requests"] == ["back/1/1", "front/1/2"]
-    assert "would read as: client_reused_closed_connection" in note["summary"]
-    written = "front/1/2 POST /v1/chat/completions: written at tap front after tap back"
-    assert written in note["evidence"][1]
+    assert "client_reused_closed_connection" in note["evidence"][0]["figures"]["read_as"]
+    # written at tap front after tap back had closed the connection
+    written = note["evidence"][1]
+    assert (written["tap"], written["request"]) == ("front", "front/1/2")
+    assert written["figures"]["found"] == "after_close"
 
 
 async def analyze_json(*captures: Path) -> dict[str, Any]:
@@ -676,13 +678,14 @@ async def test_faults_behind_a_recording_tap_are_notes(tmp_path: Path, spec: str
     doc = await analyze_json(front.capture, back.capture)
     assert doc["verdict"]["kind"] == "healthy", doc["findings"]
     (note,) = doc["findings"]
-    assert note["kind"] == "injected_fault" and spec in note["summary"]
+    injected = note["evidence"][0]["figures"]
+    assert note["kind"] == "injected_fault" and injected["fault"] == spec
     if spec.startswith("half-open"):
         assert note["requests"] == ["back/1/2", "front/1/2"]
-        assert "would read as: proxy_hung_on_reuse" in note["summary"]
+        assert "proxy_hung_on_reuse" in injected["read_as"]
     else:
         assert note["requests"] == ["back/1/1"]
-        assert "would read as: delivery_coalesced" in note["summary"]
+        assert "delivery_coalesced" in injected["read_as"]
     alone = await analyze_json(front.capture)  # without the records: the symptom
     assert alone["verdict"]["party"] != "none"
 
@@ -706,10 +709,9 @@ async def test_half_open_behind_a_hop_is_matched_by_its_head(tmp_path: Path) -> 
     assert doc["verdict"]["kind"] == "healthy", doc["findings"]
     (note,) = doc["findings"]
     assert note["requests"] == ["back/1/2", "front/1/2"]
-    assert (
-        "front/1/2 POST /v1/chat/completions: the same request at tap front as back/1/2, "
-        "matched by its head"
-    ) in note["evidence"][1]
+    matched = note["evidence"][1]  # the same request at tap front, matched by its head
+    assert (matched["tap"], matched["request"]) == ("front", "front/1/2")
+    assert (matched["figures"]["found"], matched["figures"]["there"]) == ("by_head", "back/1/2")
 
 
 # what the SDK gets from two calls on one connection, the fault acting on (at least) the
@@ -749,7 +751,7 @@ async def test_every_fault_behind_a_recording_tap_is_a_note(
     doc = await analyze_json(front.capture, back.capture)
     assert doc["verdict"]["kind"] == "healthy", doc["findings"]
     assert [f["kind"] for f in doc["findings"]] == ["injected_fault"]
-    assert spec in doc["findings"][0]["summary"]
+    assert doc["findings"][0]["evidence"][0]["figures"]["fault"] == spec
 
 
 # ---- half-open ------------------------------------------------------------------------
@@ -1001,7 +1003,7 @@ async def test_faults_changed_while_the_tap_runs(tmp_path: Path) -> None:
     assert doc["evidence"]["injected_faults"] == 3
     # the tap's own doing: not the engine's 503s nor a hop's hang
     assert doc["verdict"]["kind"] == "healthy"
-    notes = {f["summary"].split("`")[1]: f for f in doc["findings"]}
+    notes = {f["evidence"][0]["figures"]["fault"]: f for f in doc["findings"]}
     assert sorted(notes) == ["hang-on-reuse:4", "status:503@path=/v1/chat/*"]
     assert {f["kind"] for f in doc["findings"]} == {"injected_fault"}
     assert notes["status:503@path=/v1/chat/*"]["requests"] == ["t/1/2", "t/2/1"]

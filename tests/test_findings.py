@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
 from tracer import events as ev
 from tracer.analysis import Summary
-from tracer.findings import TIME_JOINED_REPEATS
+from tracer.findings import (
+    TIME_JOINED_REPEATS,
+    Evidence,
+    EvidenceItem,
+    Finding,
+    RuledOut,
+    find,
+)
 
 PROXY = "http://127.0.0.1:8001"  # a hop between the tap and the router
 ROUTER = "http://127.0.0.1:8000"
@@ -223,6 +231,26 @@ def kinds(result: dict[str, Any]) -> list[tuple[str, str]]:
     return [(f["party"], f["kind"]) for f in result["findings"]]
 
 
+def evidence(f: dict[str, Any], **want: Any) -> list[dict[str, Any]]:
+    """The finding's evidence items with these values: ``tap``, ``request`` and ``t`` are
+    the item's own fields, any other name one of its figures."""
+    return [
+        e
+        for e in f["evidence"]
+        if all(
+            k in (have := {"tap": e["tap"], "request": e["request"], "t": e["t"], **e["figures"]})
+            and have[k] == v
+            for k, v in want.items()
+        )
+    ]
+
+
+def verdict_finding(result: dict[str, Any]) -> dict[str, Any]:
+    """The finding the verdict names."""
+    (f,) = [f for f in result["findings"] if f["id"] == result["verdict"]["finding"]]
+    return f
+
+
 def test_healthy_capture_has_no_findings() -> None:
     cap = Cap()
     for i in range(3):
@@ -257,17 +285,22 @@ def test_hang_on_reuse_in_front_of_a_proxy_is_the_proxy() -> None:
     assert {r["party"] for r in v["ruled_out"]} == {"client", "engine"}
     top = result["findings"][0]
     assert top["requests"] == ["front/1/3"]
-    assert any("fresh connection: ok" in e for e in top["evidence"])
-    assert any("running≤0" in e for e in top["evidence"])
+    assert evidence(top, tap="front", probe_outcome="ok")  # a probe over a fresh connection
+    assert evidence(top, running_max=0, queued_max=0)  # the engine's own figures: idle
 
 
 def test_hang_on_reuse_when_the_upstream_is_the_router_is_the_engine() -> None:
     cap = Cap(upstream=ROUTER)
     _hang_on_reuse(cap)
-    v = analyze(cap)["verdict"]
-    assert v["party"] == "engine"
+    result = analyze(cap)
+    v = result["verdict"]
     # not "a hop": the tap's upstream is the serving stack's own front
-    assert v["summary"].startswith("The serving stack behind tap front held the reused")
+    assert (v["party"], v["kind"]) == ("engine", "engine_lost_request")
+    assert {r["party"] for r in v["ruled_out"]} == {"client", "proxy"}
+    # it held the request on a reused connection while a fresh one answered
+    f = verdict_finding(result)
+    assert evidence(f, request="front/1/3", reused=True, idle_before=0.8)
+    assert evidence(f, tap="front", fresh_completed=1, request="front/2/1")
 
 
 def test_hang_without_engine_evidence_is_unknown_and_says_how_to_settle() -> None:
@@ -306,7 +339,11 @@ def test_client_connections_that_failed_are_listed_not_the_verdict_over_a_hang()
         "front/8",
         "front/9",
     ]
-    assert failed["summary"].startswith("3 client connections failed before their first")
+    assert [(e["tap"], e["figures"]["conn"]) for e in failed["evidence"]] == [
+        ("front", 7),
+        ("front", 8),
+        ("front", 9),
+    ]
     assert failed["id"] == result["findings"][-1]["id"]
     # alone, they are the verdict: nothing got through
     alone = Cap(upstream=PROXY)
@@ -394,7 +431,10 @@ def test_two_taps_place_the_hang_between_them() -> None:
     result = analyze(front, back)
     v = result["verdict"]
     assert (v["party"], v["kind"], v["confidence"]) == ("proxy", "proxy_hung_on_reuse", "high")
-    assert "between tap front and tap back" in v["summary"]
+    # the hop between tap front (which saw it) and tap back (which never did)
+    f = verdict_finding(result)
+    assert f["requests"] == ["front/1/3"]
+    assert evidence(f, never_seen_at=["back"], requests_there=[2])
 
 
 def test_a_failure_seen_the_same_at_every_tap_is_one_finding_from_the_nearest() -> None:
@@ -425,7 +465,7 @@ def test_a_failure_seen_the_same_at_every_tap_is_one_finding_from_the_nearest() 
     by_request = {tuple(f["requests"]): f for f in result["findings"]}
     cut = by_request[("back/1/2", "front/1/2")]
     assert (cut["kind"], cut["party"]) == ("engine_truncated", "engine")
-    assert any(e.startswith("the same at tap front: ") for e in cut["evidence"])
+    assert evidence(cut, tap="front", request="front/1/2", same_failure=True)
     assert cut["connections"] == ["back/1", "front/1"]
     stalled = by_request[("back/2/1", "front/2/1")]
     assert stalled["kind"] == "upstream_silent"
@@ -436,11 +476,14 @@ def test_a_failure_seen_the_same_at_every_tap_is_one_finding_from_the_nearest() 
         "proxy",
         "high",
     )
-    assert held["summary"].startswith("Tap front got nothing for 6 s while tap back received")
+    # nothing for 6 s at tap front while tap back received the stream without a stall
+    assert evidence(held, tap="front", direction="upstream_silent", duration=6.0)
+    assert evidence(held, tap="back", request="back/3/1", stalls=0)
     assert {r["party"] for r in held["ruled_out"]} == {"engine", "client"}
     buffered = by_request[("front/6/1", "back/6/1")]
     assert (buffered["kind"], buffered["party"]) == ("buffered_response", "proxy")
-    assert "the hop between them buffered it" in buffered["summary"]
+    assert buffered["confidence"] == "high"  # seen flowing at the tap behind the hop
+    assert evidence(buffered, tap="back", request="back/6/1", stalls=0)
     assert by_request[("front/4/1", "back/4/1")]["kind"] == "client_abort"
     assert by_request[("front/5/1", "back/5/1")]["kind"] == "client_not_reading"
     assert sorted(by_request) == [
@@ -474,9 +517,14 @@ def test_a_hop_that_times_out_on_a_silent_engine_answers_or_cuts_by_itself() -> 
     by_request = {tuple(f["requests"]): f for f in result["findings"]}
     answered = by_request[("front/1/1", "back/1/1")]
     assert (answered["kind"], answered["party"]) == ("proxy_error_status", "proxy")
-    assert answered["summary"].startswith("The hop between tap front and tap back answered 504")
+    # 504 at tap front; tap back got no status from upstream: the hop answered it itself
+    assert evidence(answered, tap="front", request="front/1/1", status=504)
+    (behind,) = evidence(answered, tap="back", request="back/1/1")
+    assert "status" not in behind["figures"]
+    assert answered["after_silence"] == "back/1/1"
     cut = by_request[("front/2/1", "back/2/1")]
-    assert cut["kind"] == "proxy_cut_stream" and "read timeout" in cut["summary"]
+    # the hop's read timeout met the silence behind it, which came first
+    assert cut["kind"] == "proxy_cut_stream" and cut["after_silence"] == "back/2/1"
     assert cut["ruled_out"] == []  # the engine was silent: not ruled out
     # the silence behind keeps its own findings; nothing is told from the front alone.
     # Tap back's upstream is the router (its health URL): no hop between it and the
@@ -509,10 +557,12 @@ def test_a_hop_answering_an_error_without_forwarding_is_the_proxy() -> None:
     result = analyze(front, back)
     v = result["verdict"]
     assert (v["party"], v["kind"], v["confidence"]) == ("proxy", "proxy_error_status", "high")
-    assert v["summary"] == (
-        "The hop between tap front and tap back answered 503 itself: the request never "
-        "reached tap back."
-    )
+    # answered 503 at tap front, never seen at tap back
+    f = verdict_finding(result)
+    assert f["requests"] == ["front/2/1"]
+    assert evidence(f, tap="front", status=503)
+    assert evidence(f, never_seen_at=["back"])
+    assert [r["party"] for r in v["ruled_out"]] == ["engine"]
     assert [f["kind"] for f in result["findings"]] == ["proxy_error_status"]
 
 
@@ -534,8 +584,11 @@ def test_slow_because_busy_is_load_not_a_fault() -> None:
     result = analyze(cap)
     assert result["verdict"]["kind"] == "healthy"
     assert kinds(result) == [("engine", "engine_queueing")]
-    assert result["findings"][0]["note"] is True
-    assert "not a cold start" in result["findings"][0]["summary"]
+    (note,) = result["findings"]
+    assert note["note"] is True and note["requests"] == ["front/1/1"]
+    # load, with the engine's figures: running and queued while the request waited
+    assert evidence(note, running_max=53, queued_max=12)
+    assert evidence(note, request="front/1/1", first_token=5.0)
 
 
 def test_hang_mark_with_nothing_in_flight() -> None:
@@ -564,6 +617,55 @@ def test_coalesced_delivery() -> None:
         sse += [[bunch * 0.040, 100, "content"]] * 4
     cap._e(ev.BodyData, 0.02, conn=1, seq=1, size=2400, reads=[], sse=sse)
     assert ("proxy", "delivery_coalesced") in kinds(analyze(cap))
+
+
+def test_every_finding_has_a_summary_and_evidence_items() -> None:
+    """Findings are records until the output edge: in the document each has a sentence of
+    why, and evidence items with their text, time, tap, request and figures (null where
+    not known, ``{}`` for no figures)."""
+    front = Cap("front", upstream=PROXY)
+    back = Cap("back", upstream=ROUTER, t0=1000.0)
+    _hang_on_reuse(front)
+    front.exchange(3, 1, 30.0, rid="cut", events=3, end="truncated")
+    back.exchange(1, 1, 30.002, rid="cut", events=3, end="truncated")
+    result = analyze(front, back, hang_at=[front.t0 + 40.0])
+    assert len({f["kind"] for f in result["findings"]}) >= 2
+    for f in result["findings"]:
+        assert isinstance(f["summary"], str) and f["summary"].strip(), f
+        assert f["evidence"], f
+        for e in f["evidence"]:
+            assert set(e) == {"text", "t", "tap", "request", "figures"}, e
+            assert e["text"] and isinstance(e["figures"], dict)
+            assert e["request"] is None or e["request"] in f["requests"] or e["tap"], e
+        for r in f["ruled_out"]:
+            assert set(r) == {"party", "why"} and r["why"]
+    json.dumps(result["findings"])  # plain JSON
+
+
+def test_find_gives_typed_records() -> None:
+    cap = Cap(upstream=PROXY)
+    _hang_on_reuse(cap)
+    s = Summary()
+    for e in cap.events:
+        s.feed(e)
+    evidence_in = Evidence(
+        taps=s.taps,
+        connections=list(s.connections.values()),
+        requests=list(s.requests.values()),
+        engine=s.engine,
+        probes=s.probes,
+        health=s.health,
+        faults=s.faults,
+        marks=[],
+    )
+    found, verdict = find(evidence_in)
+    (top,) = [f for f in found if f.id == verdict["finding"]]
+    assert isinstance(top, Finding) and top.kind == "proxy_hung_on_reuse"
+    assert all(isinstance(e, EvidenceItem) for e in top.evidence)
+    assert [r.party for r in top.ruled_out] == ["client", "engine"]
+    assert all(isinstance(r, RuledOut) for r in top.ruled_out)
+    (quoted,) = [e for e in top.evidence if e.request == "front/1/3" and "seq" in e.figures]
+    assert quoted.t == cap.t0 + 2.0 and quoted.figures["reused"] is True
 
 
 def test_same_capture_same_findings() -> None:
@@ -646,9 +748,7 @@ def _held_first_events(front_hold: float, back_hold: float) -> dict[str, Any]:
 def test_a_first_event_held_40_ms_between_two_taps_is_the_hop_between() -> None:
     result = _held_first_events(0.041, 0.0002)
     assert result["verdict"]["kind"] == "healthy"  # a note: latency, not a hang
-    assert result["verdict"]["summary"] == (
-        "No fault found in the captures. 1 note(s): first_event_held."
-    )
+    assert result["verdict"]["finding"] is None
     (f,) = result["findings"]
     assert (f["kind"], f["party"], f["confidence"], f["note"]) == (
         "first_event_held",
@@ -656,9 +756,17 @@ def test_a_first_event_held_40_ms_between_two_taps_is_the_hop_between() -> None:
         "high",
         True,
     )
-    assert "between tap front and tap back" in f["summary"] and "about 41 ms" in f["summary"]
     assert f["requests"][:2] == ["front/1/1", "back/1/1"]
-    assert f["evidence"][0].startswith("3 of the 3 requests both taps saw")
+    # held about 41 ms at tap front, at once at tap back (the hop between), for all 3
+    assert f["evidence"][0]["tap"] == "front"
+    assert f["evidence"][0]["figures"] == {
+        "held": 3,
+        "shared": 3,
+        "median_ms": 41.0,
+        "min_ms": 41.0,
+        "max_ms": 41.0,
+        "behind": "back",
+    }
 
 
 @pytest.mark.parametrize(
@@ -696,12 +804,16 @@ def test_first_events_held_on_reused_connections_only_at_one_tap(fresh: float) -
         "medium",
         True,
     )
-    assert "4 stream(s) came about 41 ms after the response head at tap front" in f["summary"]
-    assert f["evidence"][:2] == [
-        "reused connections: the first event of 4 of 4 streams 41 ms after the response head "
-        "(median; 41 to 41 ms)",
-        "fresh connections: 2 of 2 within 10 ms",
-    ]
+    reused, fresh = f["evidence"][:2]
+    assert reused["tap"] == fresh["tap"] == "front"
+    assert reused["figures"] == {
+        "reused_held": 4,
+        "reused": 4,
+        "median_ms": 41.0,
+        "min_ms": 41.0,
+        "max_ms": 41.0,
+    }
+    assert fresh["figures"] == {"fresh_prompt": 2, "fresh": 2}
 
 
 @pytest.mark.parametrize(("fresh", "reused"), [(0.041, 0.041), (0.0005, 0.0005), (0.0005, 0.4)])
@@ -738,10 +850,15 @@ def test_a_5xx_behind_a_tap_whose_client_was_answered_is_a_note() -> None:
     assert result["verdict"]["kind"] == "healthy", result["findings"]
     (f,) = result["findings"]
     assert (f["kind"], f["note"], f["requests"]) == ("engine_error_status", True, ["back/1/1"])
-    assert f["summary"].endswith(
-        "The client did not see it: a hop in front answered the client anyway."
+    # the client did not see it: its copy at tap front was answered, and not sent again
+    answered = f["evidence"][-1]
+    assert (answered["tap"], answered["request"]) == ("front", "front/1/1")
+    assert answered["figures"]["answered_copy_of"] == "back/1/1"
+    assert (answered["figures"]["termination"], answered["figures"]["status"]) == (
+        "complete",
+        200,
     )
-    assert f["evidence"][-1].startswith("back/1/1: its copy at tap front (front/1/1) was answered")
+    assert "sent_to" not in answered["figures"]
 
 
 def test_a_request_sent_again_to_another_engine_is_not_a_chain_of_taps() -> None:
@@ -762,7 +879,9 @@ def test_a_request_sent_again_to_another_engine_is_not_a_chain_of_taps() -> None
     assert result["verdict"]["kind"] == "healthy"
     assert {f["kind"] for f in result["findings"]} == {"engine_error_status"}
     assert all(
-        "sent again to tap e2, which answered it" in f["evidence"][-1] for f in result["findings"]
+        (f["evidence"][-1]["figures"]["sent_to"], f["evidence"][-1]["figures"]["sent"])
+        == ("e2", "again")
+        for f in result["findings"]
     )
 
 
@@ -801,12 +920,15 @@ def test_coalesced_at_one_tap_and_steady_behind_it_names_the_hop_between() -> No
     result = analyze(front, back)
     f = next(f for f in result["findings"] if f["kind"] == "delivery_coalesced")
     assert f["party"] == "proxy" and f["confidence"] == "high"
-    assert "the hop between tap front and tap back" in f["summary"]
     assert f["requests"] == ["front/1/1", "back/1/1"]
     assert {r["party"] for r in f["ruled_out"]} == {"client", "engine"}
+    # bunched at tap front (6 gaps of 30-60 ms), steady at tap back: the hop between
+    assert evidence(f, tap="front", bunch_gaps=5)
+    assert evidence(f, tap="back", bunch_gaps=0)
     # bunched at both taps: the bunching starts behind the back tap, not between them
     both = analyze(front, _bunched_cap("back", 0.002))
-    assert all("between tap" not in f["summary"] for f in both["findings"])
+    assert all(len(f["requests"]) == 1 for f in both["findings"])
+    assert all(f["confidence"] != "high" for f in both["findings"])
 
 
 def _bunched_cap(tap: str, t: float) -> Cap:
@@ -836,7 +958,8 @@ def test_an_sdk_retry_without_request_ids_is_joined_to_its_own_attempt() -> None
     result = analyze(front, back)
     v = result["verdict"]
     assert (v["party"], v["kind"]) == ("proxy", "proxy_hung_on_reuse"), result["findings"]
-    assert "between tap front and tap back" in v["summary"]
+    f = verdict_finding(result)
+    assert f["requests"] == ["front/1/3"] and evidence(f, never_seen_at=["back"])
     (pair,) = result["evidence"]["tap_pairs"]
     assert (pair["shared"], pair["median_delay"]) == (3, 0.002)
     rows = {r["id"]: r for r in result["requests"]}
@@ -858,7 +981,8 @@ def test_a_retry_with_the_same_id_is_another_request() -> None:
     result = analyze(front, back)
     v = result["verdict"]
     assert (v["party"], v["kind"]) == ("proxy", "proxy_hung_on_reuse"), result["findings"]
-    assert "between tap front and tap back" in v["summary"]
+    f = verdict_finding(result)
+    assert f["requests"] == ["front/1/3"] and evidence(f, never_seen_at=["back"])
 
 
 def test_tap_pairs_give_the_order_and_the_median_delay() -> None:
@@ -900,14 +1024,16 @@ def test_a_hang_the_tap_injected_itself_is_a_note_not_the_proxy() -> None:
     _injected(cap, 2.0, 1, 3, "hang-on-reuse:3", HELD)
     result = analyze(cap)
     v = result["verdict"]
-    assert (v["party"], v["kind"]) == ("none", "healthy")
-    assert v["summary"].endswith("1 note(s): injected_fault.")
+    assert (v["party"], v["kind"], v["finding"]) == ("none", "healthy", None)
     (note,) = result["findings"]
     assert (note["party"], note["kind"], note["note"]) == ("none", "injected_fault", True)
     assert note["requests"] == ["front/1/3"] and note["connections"] == ["front/1"]
-    assert "Tap front injected `hang-on-reuse:3` itself" in note["summary"]
-    assert "would read as: proxy_hung_on_reuse" in note["summary"]
-    assert "not forwarded; the client got termination=in_flight" in note["evidence"][0]
+    injected = note["evidence"][0]
+    assert (injected["tap"], injected["request"]) == ("front", "front/1/3")
+    assert injected["figures"]["fault"] == "hang-on-reuse:3"
+    assert injected["figures"]["read_as"] == ["proxy_hung_on_reuse"]
+    assert injected["figures"]["detail"] == HELD  # read and not forwarded
+    assert injected["figures"]["termination"] == "in_flight"  # what the client got
     assert {r["party"] for r in note["ruled_out"]} == {"client", "proxy", "engine"}
 
 
@@ -923,7 +1049,7 @@ def test_an_injected_fault_beside_an_external_one_leaves_the_verdict_to_the_exte
     assert result["findings"][0]["requests"] == ["front/1/3"]
     notes = [f for f in result["findings"] if f["kind"] == "injected_fault"]
     assert [n["requests"] for n in notes] == [["front/1/1"]]
-    assert "would read as: engine_error_status" in notes[0]["summary"]
+    assert notes[0]["evidence"][0]["figures"]["read_as"] == ["engine_error_status"]
 
 
 def test_a_fault_injected_behind_another_tap_is_a_note_at_both() -> None:
@@ -1006,11 +1132,11 @@ def test_a_close_injected_behind_another_tap_covers_the_request_written_after_it
     (note,) = result["findings"]
     assert note["kind"] == "injected_fault"
     assert note["requests"] == ["back/2/1", "front/1/2"]
-    assert "would read as: client_reused_closed_connection" in note["summary"]
-    assert (
-        "front/1/2 POST /v1/chat/completions: written at tap front after tap back had "
-        "closed the connection (front/1 is back/2, one TCP connection)"
-    ) in note["evidence"][1]
+    assert note["evidence"][0]["figures"]["read_as"] == ["client_reused_closed_connection"]
+    # written at tap front after tap back had closed the connection (one TCP connection)
+    later = note["evidence"][1]
+    assert (later["tap"], later["request"]) == ("front", "front/1/2")
+    assert (later["figures"]["found"], later["figures"]["there"]) == ("after_close", "back/2")
 
 
 def test_connections_are_linked_only_while_both_are_open() -> None:
@@ -1077,13 +1203,10 @@ def test_a_request_after_the_upstreams_close_says_how_long_after(
     the keep-alive race, which the tap cannot tell apart: said, at medium confidence."""
     f = _written_after_fin(detail)
     assert f["confidence"] == confidence
-    assert words in f["summary"]
-    said = [e for e in f["evidence"] if "passed on to the client" in e]
-    assert said == (
-        []
-        if detail.endswith("closed")
-        else [f"the upstream's close had been passed on to the client {detail.split()[3]} s before"]
-    )
+    assert evidence(f, request="front/1/2", reused=True, idle_before=2.0)
+    said = [e["figures"]["upstream_closed_before"] for e in evidence(f, request="front/1/2")
+            if "upstream_closed_before" in e["figures"]]  # fmt: skip
+    assert said == ([] if detail.endswith("closed") else [float(detail.split()[3])])
 
 
 def test_bunching_injected_behind_another_tap_is_a_note() -> None:
@@ -1098,7 +1221,7 @@ def test_bunching_injected_behind_another_tap_is_a_note() -> None:
     assert result["verdict"]["kind"] == "healthy"
     (note,) = result["findings"]
     assert note["kind"] == "injected_fault" and note["requests"] == ["back/1/1"]
-    assert "would read as: delivery_coalesced" in note["summary"]
+    assert note["evidence"][0]["figures"]["read_as"] == ["delivery_coalesced"]
 
 
 def test_a_request_the_tap_behind_stopped_reading_is_found_through_the_connection() -> None:
@@ -1124,10 +1247,10 @@ def test_a_request_the_tap_behind_stopped_reading_is_found_through_the_connectio
     assert result["verdict"]["kind"] == "healthy", result["findings"]
     (note,) = result["findings"]
     assert note["requests"] == ["back/2/2", "front/1/2"]
-    assert (
-        "front/1/2 POST /v1/chat/completions: the same request at tap front, request 2 on "
-        "both (front/1 is back/2, one TCP connection)"
-    ) in note["evidence"][1]
+    # the same request at tap front, request 2 on both (one TCP connection)
+    later = note["evidence"][1]
+    assert (later["tap"], later["request"]) == ("front", "front/1/2")
+    assert (later["figures"]["found"], later["figures"]["there"]) == ("same_position", "back/2")
 
 
 def test_a_request_the_tap_behind_a_hop_stopped_reading_is_matched_by_its_head() -> None:
@@ -1150,10 +1273,9 @@ def test_a_request_the_tap_behind_a_hop_stopped_reading_is_matched_by_its_head()
     assert result["verdict"]["kind"] == "healthy", result["findings"]
     (note,) = result["findings"]
     assert note["requests"] == ["back/1/2", "front/3/1"]
-    assert (
-        "front/3/1 POST /v1/chat/completions: the same request at tap front as back/1/2, "
-        "matched by its head"
-    ) in note["evidence"][1]
+    later = note["evidence"][1]  # the same request at tap front, matched by its head
+    assert (later["tap"], later["request"]) == ("front", "front/3/1")
+    assert (later["figures"]["found"], later["figures"]["there"]) == ("by_head", "back/1/2")
 
 
 # ---- busy is not broken ----------------------------------------------------------------
@@ -1345,6 +1467,7 @@ def test_bunching_at_a_starved_tap_is_only_a_note() -> None:
     assert result["verdict"]["kind"] == "healthy"
     (f,) = [f for f in result["findings"] if f["kind"] == "delivery_coalesced"]
     assert f["note"] is True and f["confidence"] == "low"
+    assert evidence(f, tap="front", max_lag=0.12)  # the lag, quoted
     assert result["evidence"]["tap_lags"][0]["max_lag"] == 0.12
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -157,19 +158,29 @@ def test_report_of_a_hang_on_reuse_behind_a_proxy(
 ) -> None:
     md, doc, hung, mark = made.md, made.doc, made.hung, made.mark
     assert "verdict proxy — proxy_hung_on_reuse" in made.stderr
-    assert doc["schema"] == "tracer.report/1"
+    assert doc["schema"] == "tracer.report/2"
 
     # the verdict first: party, kind, one sentence of why
+    v = doc["verdict"]
     lines = md.splitlines()
     assert lines[0] == "# Incident report: proxy — proxy_hung_on_reuse"
     assert lines[2].startswith("**Verdict: proxy — `proxy_hung_on_reuse`** (high confidence")
-    assert "between tap front and tap back held the reused keep-alive connection" in lines[2]
+    assert lines[2].endswith(v["summary"])
+    # the hop between tap front and tap back, on a reused connection, the engine idle
+    items = v["evidence"]
+    assert all(set(e) == {"text", "t", "tap", "request", "figures"} for e in items)
+    assert [e for e in items if e["figures"].get("never_seen_at") == ["back"]]
+    assert [e for e in items if e["tap"] == "front" and e["figures"].get("seq") == 3
+            and e["figures"]["reused"] and e["figures"]["idle_before"] > 0]  # fmt: skip
+    assert [e for e in items if (e["figures"].get("running_max"), e["figures"].get("queued_max"),
+            e["figures"].get("progress")) == (0, 0, 0)]  # fmt: skip
+    assert {r["party"] for r in v["ruled_out"]} == {"client", "engine"}
     # ruled out, with the evidence quoted with its times
     ruled = section(md, "Ruled out, and by which evidence")
-    assert "- **client** ruled out: the request reached tap front complete" in ruled
-    assert "- **engine** ruled out: the request never reached tap back" in ruled
-    assert "running≤0, queued≤0, decode progress +0 tokens" in ruled
-    assert "request 3 on connection front/" in ruled and "(keep-alive reuse after" in ruled
+    for r in v["ruled_out"]:
+        assert f"- **{r['party']}** ruled out: " in ruled
+    plain = re.sub(r" \([+-]\d+\.\d{3} s\)", "", ruled)  # less the offsets beside times
+    assert all(f"- {e['text']}" in plain for e in items), ruled
     # epoch time, and the offset beside it
     assert any(f"t={r.start:.3f} (+" in ruled for r in hung), ruled
 
@@ -428,3 +439,20 @@ def test_times_before_the_capture_start_keep_their_sign() -> None:
     '+-0.092 s'."""
     clock = _Clock(100.0)
     assert (clock.rel(99.908), clock.rel(101.25), clock.rel(None)) == ("-0.092 s", "+1.250 s", "-")
+
+
+def test_evidence_items_are_quoted_with_their_times_once() -> None:
+    """An epoch quoted in an item's text gets its offset beside it; an item whose text
+    quotes no time gets its own ``t`` in front; an item without a time stays as it is."""
+    clock = _Clock(1796000000.0)
+
+    def item(text: str, t: float | None) -> dict[str, Any]:
+        return {"text": text, "t": t, "tap": "back", "request": None, "figures": {}}
+
+    assert clock.evidence(item("stall t=1796000001.500 upstream_silent", 1796000001.5)) == (
+        "stall t=1796000001.500 (+1.500 s) upstream_silent"
+    )
+    assert clock.evidence(item("at tap back: 12 events", 1796000002.0)) == (
+        "+2.000 s: at tap back: 12 events"
+    )
+    assert clock.evidence(item("never seen at tap back", None)) == "never seen at tap back"

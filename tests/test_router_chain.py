@@ -301,23 +301,25 @@ async def test_taps_in_front_of_each_engine_behind_the_router(tmp_path: Path) ->
     assert all(p["one_clock"] for p in result["evidence"]["tap_pairs"])  # one machine
     v = result["verdict"]
     assert (v["party"], v["kind"], v["confidence"]) == ("proxy", "proxy_hung_on_reuse", "high")
-    assert "between tap front and tap e1 or tap e2" in v["summary"], v["summary"]
     finding = result["findings"][0]
-    assert finding["requests"] == ["front/1/5"]
-    assert any(
-        line.startswith("never seen at tap e1 or tap e2, which saw") for line in finding["evidence"]
-    )
+    assert finding["id"] == v["finding"] and finding["requests"] == ["front/1/5"]
+    # the hop between tap front and the taps of the engines: seen at neither
+    assert any(e["figures"].get("never_seen_at") == ["e1", "e2"] for e in finding["evidence"])
     held = [f for f in result["findings"] if f["kind"] == "first_event_held"]
     assert held, result["findings"]
     for f in held:
         assert f["party"] == "proxy" and f["note"] is True, f
-        assert f["summary"].startswith("The hop between tap front and tap e"), f["summary"]
+        # late at tap front, at once at an engine's tap: the hop between them
+        assert f["evidence"][0]["tap"] == "front", f
+        assert f["evidence"][0]["figures"]["behind"] in ("e1", "e2"), f
         assert all(r.startswith(("front/", "e1/", "e2/")) for r in f["requests"])
     # the front tap alone: held on reused connections, at once on fresh ones
     alone = await _analyze(front)
     (note,) = [f for f in alone["findings"] if f["kind"] == "first_event_held"]
     assert (note["party"], note["confidence"], note["note"]) == ("proxy", "medium", True), note
-    assert note["summary"].startswith("On reused connections the first event of"), note
+    reused, fresh = note["evidence"][:2]  # held on reused connections, not on fresh ones
+    assert reused["tap"] == "front" and reused["figures"]["reused_held"] >= 3, note
+    assert fresh["figures"]["fresh_prompt"] >= 1, note
 
 
 @pytest.mark.skipif(not SMG.exists(), reason="smg (sglang-router) is not installed")
@@ -338,11 +340,10 @@ async def test_a_5xx_the_router_retries_on_another_engine_is_a_note(tmp_path: Pa
     assert sum(f.get("grouped", 1) for f in errors) >= 2, result["findings"]
     for f in errors:
         assert f["note"] is True and f["requests"][0].startswith("e1/"), f
-        assert f["summary"].endswith(
-            "The client did not see it: a hop in front sent the request again to another "
-            "engine, which answered."
-        ), f["summary"]
-        assert "sent again to tap e2, which answered it" in f["evidence"][-1], f["evidence"]
+        # the client did not see it: the router sent it again to engine 2, which answered
+        answered = f["evidence"][-1]["figures"]
+        assert (answered["sent_to"], answered["sent"]) == ("e2", "again"), f["evidence"]
+        assert answered["termination"] == "complete", f["evidence"]
 
 
 @pytest.mark.skipif(not SMG.exists(), reason="smg (sglang-router) is not installed")
@@ -375,7 +376,8 @@ async def test_taps_on_the_legs_of_pd_disaggregation(tmp_path: Path) -> None:
     assert result["verdict"]["kind"] == "healthy", result["findings"]
     (cut,) = [f for f in result["findings"] if f["kind"] in ("stream_cut", "engine_truncated")]
     assert cut["note"] is True and [r[:2] for r in cut["requests"]] == ["p/"], cut
-    assert "sent at the same time to tap d, which answered it" in cut["evidence"][-1], cut
+    answered = cut["evidence"][-1]["figures"]  # sent at the same time to tap d, which answered
+    assert (answered["sent_to"], answered["sent"]) == ("d", "at_once"), cut
 
 
 @pytest.mark.skipif(not SMG.exists(), reason="smg (sglang-router) is not installed")
@@ -400,4 +402,6 @@ async def test_the_mitmproxy_addon_in_front_of_the_router(tmp_path: Path) -> Non
     assert all(p["one_clock"] and p["shared"] >= 2 for p in pairs), pairs
     assert result["verdict"]["kind"] == "healthy", result["findings"]
     held = [f for f in result["findings"] if f["kind"] == "first_event_held"]
-    assert held and held[0]["summary"].startswith("The hop between tap front and tap e"), held
+    assert held, result["findings"]
+    assert held[0]["evidence"][0]["tap"] == "front", held  # the hop between front and e1/e2
+    assert held[0]["evidence"][0]["figures"]["behind"] in ("e1", "e2"), held

@@ -78,3 +78,8 @@ def test_scenario(name: str) -> None:
         assert found, (need, shown)
     if expect["no_faults"]:
         assert [f for f in findings if not f.get("note")] == [], shown
+    for f in findings:  # each a sentence of why, and evidence items with their fields
+        assert f["summary"].strip(), f
+        for e in f["evidence"]:
+            assert set(e) == {"text", "t", "tap", "request", "figures"} and e["text"], e
+            assert e["request"] is None or e["request"].startswith(f"{e['tap']}/"), e

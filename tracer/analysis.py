@@ -2,7 +2,7 @@
 
 ``Summary.feed(event)`` accepts events in capture order (several captures one after the
 other); ``Summary.result()`` gives the rows, the evidence timelines (engine samples,
-probes, health, injected faults, hang marks) and the findings of ``tracer/findings.py``.
+probes, health, injected faults, hang marks) and the findings of ``tracer/findings/``.
 Nothing here reads files or clocks: the same events always give the same output.
 
 Memory is bounded by what is in flight, not by the capture's size: a request's row stays
@@ -22,99 +22,23 @@ import heapq
 import operator
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, fields
 from typing import Any
 
 from . import events as ev
+from .findings import Evidence, find
+from .rows import BUNCH_GAP as BUNCH_GAP
+from .rows import ZERO_GAP as ZERO_GAP
+from .rows import ConnectionRow as ConnectionRow
+from .rows import RequestRow as RequestRow
 from .spill import ChunkLog, SortedSpool
 
-SCHEMA = "tracer.analysis/3"
-ZERO_GAP = 0.001  # events closer than this arrived together
-BUNCH_GAP = (0.030, 0.060)  # the delayed-ACK hold of a hop without TCP_NODELAY
+SCHEMA = "tracer.analysis/4"
 SPILL_ROWS = 4096  # finished rows held in memory before a sorted run goes to disk
 RECENT_ROWS = 1024  # finished rows that late events can still update
 FINISHED_KEYS = 16384  # keys of rows written out, remembered to ignore late events
 CLIENT_FAILURES_KEPT = 20  # client connections failed before a first request, quoted
 MAX_LAGS = 10_000  # tap_lag records kept (one a second at most per tap)
-
-
-@dataclass(slots=True)
-class RequestRow:
-    id: str
-    tap: str
-    conn: int
-    seq: int
-    reused: bool
-    idle_before: float
-    start: float  # wall clock
-    method: str
-    target: str
-    request_id: str | None = None
-    retry_count: int | None = None  # x-stainless-retry-count: the SDK's attempt, from 0
-    version: str | None = None  # HTTP version of the request: 1.1, 1.0, 2.0 (mitmproxy's)
-    model: str | None = None
-    stream: bool | None = None
-    max_tokens: int | None = None
-    messages: int | None = None
-    request_bytes: int | None = None
-    request_complete: bool | None = None
-    body_kept: bool | None = None
-    pipelined: bool = False
-    status: int | None = None
-    sse: bool = False
-    ttfb: float | None = None
-    first_token: float | None = None
-    duration: float | None = None
-    max_gap: float | None = None
-    response_bytes: int = 0
-    events: int = 0
-    comments: int = 0
-    done: bool = False
-    finish_reason: str | None = None
-    usage: dict[str, Any] | None = None
-    error: str | None = None
-    termination: str = "in_flight"
-    close: str | None = None
-    mid_event: bool = False
-    detail: str | None = None
-    stalls: list[dict[str, Any]] = field(default_factory=list)
-    by_tracer: bool = False
-    end: float | None = None  # wall clock of the response's end
-    keep_alive: bool | None = None
-    after_close: bool = False  # sent after the previous response said Connection: close
-    body_sha256: str | None = None
-    content_sha256: str | None = None  # what it asks, canonical (bodies.content_digest)
-    # SSE arrival statistics (per event, from the body records)
-    first_event: float | None = None
-    last_event: float | None = None
-    event_gaps: int = 0
-    zero_gaps: int = 0
-    bunch_gaps: int = 0  # gaps of 30-60 ms
-    injected: list[str] = field(default_factory=list)  # faults the tap injected itself
-
-
-@dataclass(slots=True)
-class ConnectionRow:
-    id: str
-    tap: str
-    conn: int
-    peer: str
-    opened: float
-    closed: float | None = None
-    duration: float | None = None
-    requests: int = 0
-    closed_by: str | None = None
-    how: str | None = None
-    half_close: str | None = None
-    in_flight_at_close: bool | None = None
-    bytes_from_client: int | None = None
-    bytes_from_upstream: int | None = None
-    upstream: str | None = None  # host:port it connected to (the last, if several)
-    upstream_local: str | None = None
-    upstream_connect: float | None = None
-    upstream_error: str | None = None
-    anomalies: list[str] = field(default_factory=list)
-    probes: int = 0  # requests on it that were a tap's own (``PROBE_HEADER``), not counted
 
 
 RequestKey = tuple[str, int, int]
@@ -744,8 +668,6 @@ class Summary:
         (several times, in table order, each row read back one at a time) with ``len()``;
         their items are dicts, or the dataclasses with ``raw_rows`` (for
         ``render.write_json``, which converts them one at a time)."""
-        from .findings import Evidence, find
-
         conns = self.connections.values()
         reqs = self.requests.values()
         marks = sorted([*self.marks, *(hang_at or [])])
@@ -791,7 +713,7 @@ class Summary:
             "connections": conns if raw_rows else _as_dicts(conns),
             "requests": reqs if raw_rows else _as_dicts(reqs),
             "verdict": verdict,
-            "findings": findings,
+            "findings": [f.to_json() for f in findings],  # the output edge: typed -> JSON
             "evidence": {
                 "engine_samples": len(self.engine_samples),
                 "engine_urls": sorted(self.engine_urls),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import fields, is_dataclass
 from itertools import batched
@@ -102,6 +103,22 @@ def _rel_time(t: float | None, origin: float) -> str:
     return "-" if t is None else f"+{t - origin:.3f}s"
 
 
+# an epoch time quoted in an evidence text (``t=1796008676.953``)
+EPOCH = re.compile(r"\bt=(\d+\.\d+)")
+
+
+def evidence_line(item: dict[str, Any], rel: Callable[[float], str]) -> str:
+    """An evidence item (``tracer.analysis/4``) for a reader: its text, each epoch time
+    quoted in it followed by its offset from the captures' start (``rel``); a text that
+    quotes no time, about an item that has one, after that time's offset."""
+    text = str(item["text"])
+    if EPOCH.search(text):
+        return EPOCH.sub(lambda m: f"{m.group(0)} ({rel(float(m.group(1)))})", text)
+    if item.get("t") is not None:
+        return f"{rel(float(item['t']))}: {text}"
+    return text
+
+
 def verdict_lines(result: dict[str, Any]) -> list[str]:
     """The verdict, then each finding: party, kind, why, evidence, what is ruled out."""
     origin = result["time_range"]["start"] or 0.0
@@ -112,6 +129,10 @@ def verdict_lines(result: dict[str, Any]) -> list[str]:
     ]
     for r in v.get("ruled_out") or []:
         lines.append(f"  ruled out {r['party']}: {r['why']}")
+
+    def rel(t: float) -> str:
+        return _rel_time(t, origin)
+
     for f in result.get("findings") or []:
         tag = "note" if f["note"] else f"{f['party']}, {f['confidence']}"
         lines.append("")
@@ -121,7 +142,7 @@ def verdict_lines(result: dict[str, Any]) -> list[str]:
         if f["requests"]:
             lines.append(f"  requests: {', '.join(f['requests'])}")
         for item in f["evidence"]:
-            lines.append(f"  - {item}")
+            lines.append(f"  - {evidence_line(item, rel)}")
         for r in f["ruled_out"]:
             lines.append(f"  ruled out {r['party']}: {r['why']}")
         if f.get("settle"):
@@ -353,6 +374,10 @@ def write_markdown(result: dict[str, Any], stream: TextIO) -> None:
         out.append(f"- ruled out **{r['party']}**: {r['why']}")
     if result.get("findings"):
         out += ["", "## Findings", ""]
+
+    def rel(t: float) -> str:
+        return _rel_time(t, origin)
+
     for f in result.get("findings") or []:
         tag = "note" if f["note"] else f"{f['party']}, {f['confidence']} confidence"
         out.append(f"### {f['id']} `{f['kind']}` ({tag}) at {_rel_time(f['t'], origin)}")
@@ -362,7 +387,7 @@ def write_markdown(result: dict[str, Any], stream: TextIO) -> None:
         if f["requests"]:
             out.append(f"Requests: {', '.join('`' + r + '`' for r in f['requests'])}")
             out.append("")
-        out += [f"- {item}" for item in f["evidence"]]
+        out += [f"- {evidence_line(item, rel)}" for item in f["evidence"]]
         out += [f"- ruled out **{r['party']}**: {r['why']}" for r in f["ruled_out"]]
         if f.get("settle"):
             out.append(f"- to settle: {f['settle']}")

@@ -7,7 +7,7 @@ stalls, hang marks, the engine's load beneath), the requests that hung, failed o
 truncated, connection reuse, the engine's own figures around each finding, the exact
 `tracer replay` commands that reproduce it (same connections, and fresh ones), and the
 provenance needed to check it later (capture hashes, taps, time range, versions).
---json writes the same content for machines (schema tracer.report/1, documented in
+--json writes the same content for machines (schema tracer.report/2, documented in
 captures/REPORT.md). The analysis is that of `tracer analyze` (Summary, findings.find):
 the report decides nothing new.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import re
 import shlex
 import sys
 from datetime import UTC, datetime
@@ -30,11 +29,12 @@ from .analysis import Summary
 from .capture import CaptureError, read_into
 from .engines import progress_delta
 from .findings import Context, Evidence
+from .render import EPOCH, evidence_line
 
 if TYPE_CHECKING:
     from .timeline import Timeline
 
-SCHEMA = "tracer.report/1"
+SCHEMA = "tracer.report/2"
 MAX_PLANS_SHOWN = 20  # fault plan changes listed in the Markdown's provenance
 AROUND = 1.5  # seconds of engine samples taken on either side of a finding's window
 MD_ROWS = 60  # rows of a Markdown table before the rest is left to the JSON
@@ -60,7 +60,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "<name>-timeline.svg and <name>-timeline.png",
     )
     parser.add_argument(
-        "--json", metavar="FILE.json", help="also write the report as JSON (tracer.report/1)"
+        "--json", metavar="FILE.json", help="also write the report as JSON (tracer.report/2)"
     )
     parser.add_argument(
         "--hang-at",
@@ -521,8 +521,6 @@ def to_json(doc: dict[str, Any]) -> str:
 class _Clock:
     """Times for a reader: seconds from the captures' start, epoch quotes annotated."""
 
-    EPOCH = re.compile(r"\bt=(\d{9,}\.\d+)")
-
     def __init__(self, origin: float) -> None:
         self.origin = origin
 
@@ -531,7 +529,11 @@ class _Clock:
 
     def quote(self, text: str) -> str:
         """``t=1796008676.953`` -> ``t=1796008676.953 (+1.629 s)``."""
-        return self.EPOCH.sub(lambda m: f"{m.group(0)} ({self.rel(float(m.group(1)))})", text)
+        return EPOCH.sub(lambda m: f"{m.group(0)} ({self.rel(float(m.group(1)))})", text)
+
+    def evidence(self, item: dict[str, Any]) -> str:
+        """An evidence item: its text with its times (``render.evidence_line``)."""
+        return evidence_line(item, self.rel)
 
 
 def _dur(value: float | None) -> str:
@@ -591,7 +593,7 @@ def to_markdown(doc: dict[str, Any]) -> str:
         out.append("- the verdict's evidence rules out no party")
     if v["evidence"]:
         out += ["", f"Evidence ({v['finding']}):", ""]
-        out += [f"- {clock.quote(item)}" for item in v["evidence"]]
+        out += [f"- {clock.evidence(item)}" for item in v["evidence"]]
     out += [""]
     out += _timeline_md(doc)
     out += _findings_md(doc, clock)
@@ -652,7 +654,7 @@ def _findings_md(doc: dict[str, Any], clock: _Clock) -> list[str]:
             out += [f"At {clock.rel(f['t'])}.", ""]
         if f["requests"]:
             out += [f"- requests: {', '.join('`' + q + '`' for q in f['requests'])}"]
-        out += [f"- {clock.quote(item)}" for item in f["evidence"]]
+        out += [f"- {clock.evidence(item)}" for item in f["evidence"]]
         out += [f"- ruled out **{r['party']}**: {clock.quote(r['why'])}" for r in f["ruled_out"]]
         if f.get("settle"):
             out.append(f"- to settle: {f['settle']}")

@@ -1,0 +1,168 @@
+"""What the client did: stopped reading, aborted, reused a connection the server had
+closed, or failed before its first request.
+
+Findings whose evidence is the client's own side of a tap (its reads, its close, its
+timing against the upstream's FIN), kept together because they rule out the engine the
+same way.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..rows import RequestRow
+from .context import Context
+from .model import EvidenceItem, Finding, RuledOut, finding
+from .quotes import outcome_item, request_item, stall_item, ts
+from .signs import STREAM_RESET, gone_before, hang_window, multiplexed
+
+# a request that came this soon after the FIN was passed on may have been on its way
+# before the client could see it (the keep-alive race): not told from one that ignored it
+RACE_WINDOW = 0.010
+
+
+def analyze_client(ctx: Context) -> list[Finding]:
+    out: list[Finding] = []
+    for r in ctx.interesting:
+        if not r.method:
+            continue
+        blocked = [s for s in r.stalls if s["direction"] == "client_not_reading"]
+        if blocked:
+            s = blocked[0]
+            out.append(
+                finding(
+                    "client_not_reading",
+                    "client",
+                    "The client stopped reading: writes to it backed up while data waited.",
+                    [r],
+                    [request_item(r), stall_item(r, s), outcome_item(r)],
+                    [
+                        RuledOut("engine", "upstream data was waiting to be written"),
+                        RuledOut("proxy", "the tap's writes to the client were blocked"),
+                    ],
+                    "high",
+                    t=s["start"],
+                )
+            )
+        if r.termination == "client_abort" and hang_window(r, ctx.e.end) is None:
+            out.append(
+                finding(
+                    "client_abort",
+                    "client",
+                    "The client reset the HTTP/2 stream while the response was still flowing."
+                    if multiplexed(r) and (r.detail or "").startswith(STREAM_RESET)
+                    else "The client closed the connection while the response was still flowing.",
+                    [r],
+                    [request_item(r), outcome_item(r)],
+                    [RuledOut("engine", "bytes were arriving until the client closed")],
+                    "medium",
+                    t=r.end,
+                )
+            )
+        if r.after_close:
+            out.append(
+                finding(
+                    "client_reused_closed_connection",
+                    "client",
+                    "The client sent a request on a connection the server had said it would "
+                    "close (Connection: close).",
+                    [r],
+                    [request_item(r), outcome_item(r)],
+                    [],
+                    "high",
+                    t=r.start,
+                )
+            )
+        elif (gone := gone_before(r)) is not None:
+            out.append(_reused_after_fin(r, gone))
+    return out
+
+
+def _reused_after_fin(r: RequestRow, gone: float) -> Finding:
+    """A request the client wrote after the upstream had closed the connection (the tap
+    passed the FIN on): the client's pool keeps idle connections longer than the upstream
+    does. Written well after the FIN, the client missed the close; within
+    ``RACE_WINDOW`` of it, it may have been on its way before the FIN could reach it."""
+    evidence = [request_item(r), outcome_item(r)]
+    confidence = "high"
+    if math.isinf(gone):  # a capture that does not say when
+        summary = (
+            "The client sent a request on a connection the upstream had already closed "
+            "(its FIN had been passed on to the client)."
+        )
+    elif gone < RACE_WINDOW:
+        summary = (
+            f"The client wrote a request on its keep-alive connection {gone * 1000:.1f} ms "
+            f"after the tap passed on the upstream's close, after {r.idle_before:.3f} s idle: "
+            "too soon to tell a client that ignored the close from the keep-alive race (the "
+            "request already on its way); either way the upstream drops idle connections "
+            "sooner than the client's pool."
+        )
+        confidence = "medium"
+    else:
+        summary = (
+            f"The client sent a request on a connection the upstream had closed {gone:.3f} s "
+            f"before (its FIN had been passed on to the client), after {r.idle_before:.3f} s "
+            "idle: the client's pool kept it longer than the upstream keeps idle connections."
+        )
+    if not math.isinf(gone):
+        evidence.append(
+            EvidenceItem(
+                text=f"the upstream's close had been passed on to the client {gone:.6f} s before",
+                t=r.start - gone,
+                tap=r.tap,
+                request=r.id,
+                figures={"upstream_closed_before": gone},
+            )
+        )
+    return finding(
+        "client_reused_closed_connection",
+        "client",
+        summary,
+        [r],
+        evidence,
+        [],
+        confidence,
+        t=r.start,
+    )
+
+
+def analyze_client_connections(ctx: Context) -> list[Finding]:
+    """Client connections that failed before a first request: bytes that are not HTTP
+    (a TLS handshake sent to a plain HTTP/1.1 tap), a failed TLS handshake with a proxy
+    that terminates TLS (a client that does not trust mitmproxy's certificate)."""
+    failures, total = ctx.e.client_failures, ctx.e.client_failures_total
+    if not failures:
+        return []
+    first = failures[0]
+    shown = 5
+    evidence = [
+        EvidenceItem(
+            text=f"connection {f['tap']}/{f['conn']} at {ts(f['t'])}: {f['error']}",
+            t=f["t"],
+            tap=f["tap"],
+            figures={"conn": f["conn"], "error": f["error"]},
+        )
+        for f in failures[:shown]
+    ]
+    if total > shown:
+        evidence.append(
+            EvidenceItem(
+                text=f"... {total - shown} more such connection(s)", figures={"more": total - shown}
+            )
+        )
+    found = finding(
+        "client_connection_failed",
+        "client",
+        f"A client connection failed before its first request: {first['error']}"
+        if total == 1
+        else f"{total} client connections failed before their first request; the first: "
+        f"{first['error']}",
+        [],
+        evidence,
+        [RuledOut("engine", "no request on these connections reached the upstream")],
+        "high",
+        t=first["t"],
+    )
+    found.connections = sorted({f"{f['tap']}/{f['conn']}" for f in failures})
+    return [found]
