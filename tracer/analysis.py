@@ -689,6 +689,12 @@ class Summary:
             lags=self.lags,
         )
         findings, verdict = find(evidence)
+        caveats = _caveats(captures or [], self.taps, self.capture_losses)
+        if caveats:
+            verdict["caveats"] = caveats
+            if verdict["party"] == "none":  # an all-clear over missing records is not high
+                lost = self.capture_losses or any(c.get("bad_lines") for c in captures or [])
+                verdict["confidence"] = "low" if lost else "medium"
         totals = _Totals()
         totals.reused, totals.stalls = self._totals.reused, self._totals.stalls
         totals.terminations.update(self._totals.terminations)
@@ -727,6 +733,47 @@ class Summary:
             },
             "topology": evidence.topology,
         }
+
+
+def _caveats(
+    captures: list[dict[str, Any]], taps: dict[str, dict[str, Any]], lost: int
+) -> list[dict[str, Any]]:
+    """What the captures may be missing, said beside the verdict (``kind``, the figures,
+    ``text``): records the writer lost, lines that could not be read, a cut last line, a
+    capture with no end (its tap killed, or still writing: what was in flight then is
+    unknown)."""
+    out: list[dict[str, Any]] = []
+    dropped = max(lost, sum(int(t.get("dropped") or 0) for t in taps.values()))
+    if dropped:
+        text = (
+            f"{dropped} record(s) lost by the capture writer (disk full or too slow): what "
+            "they said is missing from this analysis"
+        )
+        out.append({"kind": "records_lost", "count": dropped, "text": text})
+    for c in captures:
+        if c.get("bad_lines"):
+            first = (c.get("problems") or [None])[0]
+            text = f"{c['path']}: {c['bad_lines']} line(s) could not be read and were skipped"
+            out.append(
+                {
+                    "kind": "bad_lines",
+                    "capture": c["path"],
+                    "count": c["bad_lines"],
+                    "first": first,
+                    "text": text + (f" (first: {first})" if first else ""),
+                }
+            )
+        if c.get("torn_tail"):
+            text = f"{c['path']}: its last line is cut (the writer stopped mid-line)"
+            out.append({"kind": "torn_tail", "capture": c["path"], "text": text})
+    for name in sorted(taps):
+        if taps[name].get("ended") is None:
+            text = (
+                f"tap {name}: no capture_end — the tap was killed or is still writing; what "
+                "was in flight at its end is unknown"
+            )
+            out.append({"kind": "no_capture_end", "tap": name, "text": text})
+    return out
 
 
 def _as_dicts(rows: Rows[Any]) -> Rows[dict[str, Any]]:

@@ -129,6 +129,8 @@ def verdict_lines(result: dict[str, Any]) -> list[str]:
     ]
     for r in v.get("ruled_out") or []:
         lines.append(f"  ruled out {r['party']}: {r['why']}")
+    for caveat in v.get("caveats") or []:
+        lines.append(f"  caveat: {caveat['text']}")
 
     def rel(t: float) -> str:
         return _rel_time(t, origin)

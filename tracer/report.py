@@ -568,6 +568,10 @@ def to_markdown(doc: dict[str, Any]) -> str:
         f"{v['summary']}",
         "",
     ]
+    if v.get("caveats"):
+        out += ["**Caveats** (what the captures may be missing):", ""]
+        out += [f"- {c['text']}" for c in v["caveats"]]
+        out += [""]
     tr = ov["time_range"]
     terms = ", ".join(f"{k} {n}" for k, n in totals["terminations"].items()) or "none"
     out += [
