@@ -324,3 +324,18 @@ def test_losses_a_missing_end_and_bad_lines_are_the_verdicts_caveats(tmp_path: P
         [sys.executable, "-m", "tracer", "analyze", str(path)], capture_output=True, timeout=60
     )
     assert b"caveat: " in text.stdout and b"Traceback" not in text.stderr
+
+
+@pytest.mark.parametrize(
+    ("content", "what"),
+    [(b"", "empty"), (b"hello\nworld\n", "2 unparseable"), (bytes(range(256)) * 8, "unparseable")],
+)
+def test_a_file_that_is_not_a_capture_is_refused_not_an_all_clear(
+    tmp_path: Path, content: bytes, what: str
+) -> None:
+    from tracer.capture import read_into
+
+    path = tmp_path / "junk.bin"
+    path.write_bytes(content)
+    with pytest.raises(CaptureError, match=f"not a tracer capture: no capture_start, .*{what}"):
+        read_into(path, lambda e: None)

@@ -404,7 +404,7 @@ def test_engine_only_capture_has_nothing_to_replay(tmp_path: Path) -> None:
     [
         (["missing.jsonl", "-o", "r.md"], 3, "cannot read missing.jsonl"),
         (["notcap.jsonl", "-o", "r.md"], 3, "not a tracer capture"),
-        (["empty.jsonl", "-o", "r.md"], 3, "empty.jsonl: empty"),
+        (["empty.jsonl", "-o", "r.md"], 3, "empty.jsonl: not a tracer capture"),
         (["notcap.jsonl", "-o", "r.txt"], 2, "give a .md file name"),
         (["notcap.jsonl", "-o", "nowhere/r.md"], 2, "directory nowhere does not exist"),
         (["notcap.jsonl", "-o", "r.md", "--max-lanes", "0"], 2, "--max-lanes 0"),

@@ -390,6 +390,9 @@ def read_into(path: str | os.PathLike[str], feed: Callable[[ev.Event], None]) ->
             feed(event)
     except OSError as exc:
         raise CaptureError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if stats.version is None:  # nothing to analyse is not an all-clear
+        what = f"{stats.bad_lines} unparseable line(s)" if stats.bad_lines else "empty"
+        raise CaptureError(f"{path}: not a tracer capture: no capture_start, {what}")
     return stats
 
 
