@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint bench soak clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,10 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.addon_hooks
 	$(BIN)/python -m bench.addon_instructions
 	$(BIN)/python -m bench.fault_layer
+
+# 10 minutes at C=256 of mixed traffic through the tap: records lost, RSS and descriptors.
+soak: $(STAMP)
+	$(BIN)/python -m bench.soak --duration 600 --concurrency 256
 
 clean:
 	rm -rf $(VENV) demo-out bench-out
