@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 
 from . import __version__
 from .analysis import Summary
+from .atomic import write_atomically
 from .capture import CaptureError, read_into
 from .engines import progress_delta
 from .findings import Context, Evidence
@@ -120,10 +121,10 @@ def _write(args: argparse.Namespace, summary: Summary, captures: list[dict[str, 
     from .timeline import draw
 
     draw(timeline, svg, png)
-    output.write_text(to_markdown(doc), encoding="utf-8")
+    write_atomically(output, to_markdown(doc).encode())
     written = [str(output), str(svg), str(png)]
     if args.json:
-        Path(args.json).write_text(to_json(doc), encoding="utf-8")
+        write_atomically(Path(args.json), to_json(doc).encode())
         written.append(args.json)
     v = doc["verdict"]
     print(

@@ -63,6 +63,7 @@ Emit = Callable[[ev.Event], None]
 Bodies = Literal["none", "requests", "all"]
 
 MAX_HEADER_BYTES = 64 * 1024
+MAX_HEADER_LINES = 1024  # a head with more lines is not parsed (observation cost bounded)
 MAX_BODY_KEEP = 16 * 1024 * 1024
 BODY_BATCH_SECONDS = 0.1  # a body record covers the reads of at most this long
 BODY_BATCH_READS = 256  # ... and at most this many reads
@@ -192,6 +193,8 @@ class ConnectionObserver:
         self._req: h11.Connection | None = None  # parses the current request
         self._req_base = 0  # client bytes before the current request parser's first byte
         self._held: bytes | None = None  # client bytes behind an undecided protocol switch
+        self._head_lines = 0  # lines of the request head being read (-1: it was parsed)
+        self._head_tail = b""  # its last 3 bytes (a CRLFCRLF may span two reads)
         self._deferred: tuple[Exception, float, int] | None = None  # client parse failure
         self._head: h11.Connection | None = None  # parses the head of the next response
         self._body: BodyDecoder | None = None  # finds the end of the current body
@@ -368,13 +371,28 @@ class ConnectionObserver:
     # ---- requests ---------------------------------------------------------------------
 
     def _feed_requests(self, data: bytes, m: float) -> None:
-        """Parse client bytes: each request on a fresh parser, the rest goes to the next."""
+        """Parse client bytes: each request on a fresh parser, the rest goes to the next.
+
+        A head is parsed whole by h11, each header checked: a head of more than
+        ``MAX_HEADER_LINES`` lines is not parsed at all (a header flood would hold the
+        loop for every other connection): the connection goes on unobserved, with an
+        anomaly. Its lines are counted as they arrive, a C-level count per read."""
         try:
             while data:
                 if self._req is None:
                     self._req = h11.Connection(
                         h11.SERVER, max_incomplete_event_size=self._max_header
                     )
+                    self._head_lines, self._head_tail = 0, b""
+                if self._head_lines >= 0:  # the head's lines only, not the body's after it
+                    seen = self._head_tail + data
+                    end = seen.find(b"\r\n\r\n")
+                    self._head_lines += seen.count(b"\n", len(self._head_tail), end + 1 or None)
+                    self._head_tail = seen[-3:]
+                    if self._head_lines > MAX_HEADER_LINES:
+                        raise h11.RemoteProtocolError(
+                            f"a request head of over {MAX_HEADER_LINES} lines: not parsed"
+                        )
                 self._req.receive_data(data)
                 data = self._pump_request(m)
         except h11.ProtocolError as exc:
@@ -422,6 +440,7 @@ class ConnectionObserver:
             self._feed_requests(held, m)
 
     def _on_request(self, event: h11.Request, m: float) -> None:
+        self._head_lines = -1  # the head is parsed: its body's newlines are not counted
         size = len(event.method) + len(event.target) + 14  # "M T HTTP/1.1\r\n" + "\r\n"
         size += sum(len(name) + len(value) + 4 for name, value in event.headers.raw_items())
         if size > self._max_header:

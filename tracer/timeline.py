@@ -38,6 +38,7 @@ structurally: ``lane-<tap>/<conn>`` (or ``lane-<tap>/<first>-<last>``),
 
 from __future__ import annotations
 
+import io
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from .atomic import write_atomically
 from .engines import progress_delta
 
 MAX_LANES = 40
@@ -400,8 +402,13 @@ def draw(tl: Timeline, svg: Path, png: Path) -> None:
         fig.suptitle(
             f"tracer timeline — {tl.title}", x=0.1, y=1 - 0.12 / height, ha="left", fontsize=11
         )
-        fig.savefig(svg, format="svg", metadata={"Date": None})
-        fig.savefig(png, format="png", dpi=DPI, metadata={"Software": None})
+        for path, kind, extra in (
+            (svg, "svg", {"metadata": {"Date": None}}),
+            (png, "png", {"dpi": DPI, "metadata": {"Software": None}}),
+        ):
+            buf = io.BytesIO()
+            fig.savefig(buf, format=kind, **extra)
+            write_atomically(Path(path), buf.getvalue())
 
 
 def _draw_lanes(ax: Any, tl: Timeline) -> None:
