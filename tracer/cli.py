@@ -288,6 +288,14 @@ def _parser() -> argparse.ArgumentParser:
     an.add_argument("captures", nargs="+", metavar="CAPTURE")
     an.add_argument("--format", choices=["text", "json", "md"], default="text")
     an.add_argument(
+        "--limit",
+        type=int,
+        default=50,
+        metavar="N",
+        help="rows shown per table in text output, those that went wrong first (0: all; "
+        "default: %(default)s)",
+    )
+    an.add_argument(
         "--hang-at",
         action="append",
         default=[],
@@ -658,7 +666,7 @@ def _analyze(args: argparse.Namespace) -> int:
         elif args.format == "md":
             write_markdown(result, sys.stdout)
         else:
-            write_text(result, sys.stdout)
+            write_text(result, sys.stdout, limit=args.limit or None)
     return 0
 
 

@@ -191,9 +191,39 @@ def to_text(result: dict[str, Any], *, width: int = 200) -> str:
     return buf.getvalue()
 
 
-def write_text(result: dict[str, Any], out: TextIO, *, width: int = 200) -> None:
+def _limited(
+    rows: Iterable[dict[str, Any]], limit: int | None, troubled: Callable[[dict[str, Any]], bool]
+) -> Iterator[dict[str, Any]]:
+    """At most ``limit`` rows (None: all), the troubled ones first, in table order."""
+    if limit is None:
+        yield from rows
+        return
+    shown = 0
+    for row in rows:  # first pass: the rows that went wrong
+        if shown < limit and troubled(row):
+            shown += 1
+            yield row
+    if shown < limit:
+        for row in rows:
+            if shown < limit and not troubled(row):
+                shown += 1
+                yield row
+
+
+def _request_troubled(r: dict[str, Any]) -> bool:
+    return r["termination"] != "complete" or bool(r["stalls"]) or (r["status"] or 0) >= 400
+
+
+def _connection_troubled(c: dict[str, Any]) -> bool:
+    return bool(c["in_flight_at_close"]) or c["how"] == "reset" or bool(c["upstream_error"])
+
+
+def write_text(
+    result: dict[str, Any], out: TextIO, *, width: int = 200, limit: int | None = None
+) -> None:
     """Verdict, findings, totals, then the connections and requests tables, written to
-    ``out`` a chunk of rows at a time."""
+    ``out`` a chunk of rows at a time; with ``limit``, each table shows at most that many
+    rows, those that went wrong first (large captures stay readable and quick)."""
     console = _console(out, width)
     for line in verdict_lines(result):
         console.print(line, markup=False, soft_wrap=True)
@@ -243,7 +273,7 @@ def write_text(result: dict[str, Any], out: TextIO, *, width: int = 200) -> None
         )
 
     def connection_cells() -> Iterator[list[str]]:
-        for c in result["connections"]:
+        for c in _limited(result["connections"], limit, _connection_troubled):
             if c.get("probes") and not c["requests"]:
                 continue  # a connection that carried only a tap's own probes
             upstream = c["upstream_error"] or c["upstream_local"] or "-"
@@ -264,7 +294,7 @@ def write_text(result: dict[str, Any], out: TextIO, *, width: int = 200) -> None
             ]
 
     def request_cells() -> Iterator[list[str]]:
-        for r in result["requests"]:
+        for r in _limited(result["requests"], limit, _request_troubled):
             stalls = ",".join(f"{s['direction']}" for s in r["stalls"]) or "-"
             termination = r["termination"]
             if r["close"]:
@@ -288,7 +318,17 @@ def write_text(result: dict[str, Any], out: TextIO, *, width: int = 200) -> None
             ]
 
     _write_table(console, "connections", CONNECTION_COLUMNS, connection_cells)
+    _more(console, "connections", len(result["connections"]), limit)
     _write_table(console, "requests", REQUEST_COLUMNS, request_cells)
+    _more(console, "requests", len(result["requests"]), limit)
+
+
+def _more(console: Console, what: str, total: int, limit: int | None) -> None:
+    if limit is not None and total > limit:
+        console.print(
+            f"... {total - limit} more {what} not shown (those that went wrong come first; "
+            "--limit 0 shows all, --format json has every row)"
+        )
 
 
 def _console(out: TextIO, width: int) -> Console:
