@@ -143,3 +143,30 @@ def test_a_malformed_secret_header_never_reaches_the_capture() -> None:
         f"GET /?api_key=zzz HTTP/1.1\r\nAuthorization : Bearer {SK}\r\n\r\n".encode(), 1.0
     )
     assert events and SK not in repr(events) and "zzz" not in repr(events)
+
+
+def test_an_older_capture_is_scrubbed_when_it_is_read() -> None:
+    """A capture written before the policy (a key in the query, h11 quoting a header
+    line): the analysis shows neither."""
+    from tracer import events as ev
+    from tracer.analysis import Summary
+
+    with Summary() as summary:
+        summary.feed(ev.CaptureStart(t=1.0, m=1.0, tap="t", tracer_version="0", kind="proxy"))
+        summary.feed(ev.ConnOpen(t=1.0, m=1.0, tap="t", conn=1, peer="a:1", local="b:2"))
+        summary.feed(
+            ev.RequestHead(
+                t=1.0, m=1.0, tap="t", conn=1, seq=1, idle_before=0.0, method="GET",
+                target="/v1/models?api_key=zzz", version="1.1", headers=[],
+            )
+        )  # fmt: skip
+        summary.feed(
+            ev.Anomaly(
+                t=2.0, m=2.0, tap="t", conn=1, direction="client", offset=0,
+                error=f"illegal header line: b'Authorization : Bearer {SK}'",
+            )
+        )  # fmt: skip
+        text = repr(list(summary.result()["requests"])) + repr(
+            list(summary.result()["connections"])
+        )
+    assert "zzz" not in text and SK not in text

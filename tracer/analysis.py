@@ -27,6 +27,7 @@ from typing import Any
 
 from . import events as ev
 from .findings import Evidence, find
+from .redact import redact_target, scrub_text
 from .rows import BUNCH_GAP as BUNCH_GAP
 from .rows import ZERO_GAP as ZERO_GAP
 from .rows import ConnectionRow as ConnectionRow
@@ -355,7 +356,7 @@ class Summary:
                         idle_before=event.idle_before,
                         start=event.t,
                         method=event.method,
-                        target=event.target,
+                        target=redact_target(event.target),  # captures older than the policy
                         request_id=event.request_id,
                         retry_count=_retry_count(event.headers),
                         version=event.version,
@@ -506,7 +507,7 @@ class Summary:
             case ev.Anomaly():
                 conn = self._conn(event.tap, event.conn)
                 if conn is not None:
-                    conn.anomalies.append(f"{event.direction}: {event.error}")
+                    conn.anomalies.append(f"{event.direction}: {scrub_text(event.error)}")
                     if event.direction == "client" and event.seq is None and not conn.requests:
                         self._client_failed(event)
             case ev.CaptureStart():
@@ -641,7 +642,12 @@ class Summary:
         self.client_failures_total += 1
         if len(self.client_failures) < CLIENT_FAILURES_KEPT:
             self.client_failures.append(
-                {"t": event.t, "tap": event.tap, "conn": event.conn, "error": event.error}
+                {
+                    "t": event.t,
+                    "tap": event.tap,
+                    "conn": event.conn,
+                    "error": scrub_text(event.error),
+                }
             )
 
     def _finish_request(self, key: RequestKey) -> None:
