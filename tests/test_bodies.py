@@ -274,3 +274,16 @@ def test_the_body_memory_budget_bounds_every_body_held_together() -> None:
     assert budget.held == 100
     del third  # its connection was cut mid-body
     assert budget.held == 0
+
+
+def test_redact_json_field_replaces_the_named_fields_at_any_depth() -> None:
+    from tracer.bodies import RequestBody, redact_json
+
+    body = b'{"model": "m", "messages": [{"role": "user", "Content": "my secret plan"}], "n": 1}'
+    out = json.loads(redact_json(body, frozenset({"content"})))
+    assert out["messages"][0] == {"role": "user", "Content": "[redacted]"} and out["n"] == 1
+    assert redact_json(b"not json", frozenset({"content"})) == b"not json"
+    kept = RequestBody(1 << 20)
+    kept.add(body)
+    record = kept.record(keep=True, json_body=True, redact=frozenset({"content"}))
+    assert "my secret plan" not in record["body"] and record["body_kept"]

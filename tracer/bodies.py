@@ -180,7 +180,9 @@ class RequestBody:
     def __del__(self) -> None:  # a body dropped unfinished (its connection cut) gives back
         self.release()
 
-    def record(self, *, keep: bool, json_body: bool) -> dict[str, Any]:
+    def record(
+        self, *, keep: bool, json_body: bool, redact: frozenset[str] = frozenset()
+    ) -> dict[str, Any]:
         """The ``request_end`` fields of the ended body, its pieces let go: the body itself
         when kept (its hash and OpenAI fields are then the reader's work,
         ``derive_request_end``), else its hash and, for JSON, its OpenAI fields."""
@@ -188,6 +190,8 @@ class RequestBody:
         self.parts = None
         self.release()
         if keep and body:
+            if redact and json_body:
+                body = redact_json(body, redact)
             text, encoding = encode_body(body)
             return {"body": text, "body_encoding": encoding, "body_kept": True}
         digest = (self.hash or hashlib.sha256(body or b"")).hexdigest()
@@ -197,6 +201,28 @@ class RequestBody:
         if body and json_body:
             out |= openai_fields(body)
         return out
+
+
+def redact_json(body: bytes, names: frozenset[str]) -> bytes:
+    """A JSON body with the values of the fields named in ``names`` (at any depth, names
+    compared case-blind) replaced by ``[redacted]`` (``--redact-json-field``); a body that
+    is not JSON is kept as it is."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {
+                k: "[redacted]" if isinstance(k, str) and k.lower() in names else walk(v)
+                for k, v in node.items()
+            }
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return orjson.dumps(walk(doc))
 
 
 def derived_facts(body: str, encoding: str | None) -> dict[str, Any]:

@@ -196,10 +196,20 @@ def _parser() -> argparse.ArgumentParser:
         "(default: %(default)s MiB)",
     )
     px.add_argument(
+        "--redact-json-field",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="in kept JSON request bodies, replace this field's value (at any depth) by "
+        "[redacted] (repeatable; --bodies keeps prompts by design: e.g. --redact-json-field "
+        "content). Give the same names to every tap you join: a body's hash is taken after",
+    )
+    px.add_argument(
         "--bodies",
         choices=["none", "requests", "all"],
         default="requests",
-        help="bodies kept in the capture (default: requests, enough to replay)",
+        help="bodies kept in the capture (default: requests, enough to replay; they hold the "
+        "prompts: --bodies none, or --redact-json-field, where prompts are secret)",
     )
     px.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS")
     px.add_argument(
@@ -472,6 +482,7 @@ def _proxy(args: argparse.Namespace) -> int:
         bodies=args.bodies,
         body_memory=int(args.body_memory * 1024 * 1024),
         max_connections=args.max_connections,
+        redact_json_fields=frozenset(n.lower() for n in args.redact_json_field),
         max_header_bytes=args.max_header_bytes,
         faults=list(args.fault),
         fault_control=args.fault_control,

@@ -97,6 +97,7 @@ class TapConfig:
     max_body_keep: int = 16 * 1024 * 1024
     body_memory: int = 64 * 1024 * 1024  # --body-memory: every body held, together
     max_connections: int = 0  # --max-connections: past it the tap answers 503 itself (0: none)
+    redact_json_fields: frozenset[str] = frozenset()  # --redact-json-field (lower case)
     faults: list[Fault] = field(default_factory=list)  # --fault: opt-in, altering traffic
     fault_control: bool = False  # --fault-control: the faults change at run time (admin)
     inject_request_id: bool = False  # --inject-request-id: opt-in, altering traffic
@@ -571,6 +572,7 @@ class _Relay:
             max_header_bytes=cfg.max_header_bytes,
             max_body_keep=cfg.max_body_keep,
             budget=tap.body_budget,
+            redact_fields=cfg.redact_json_fields,
         )
         self.connecting = False
         self.held: list[bytes] = []  # client bytes read while the upstream connects

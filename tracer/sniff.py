@@ -181,9 +181,11 @@ class ConnectionObserver:
         max_header_bytes: int = MAX_HEADER_BYTES,
         max_body_keep: int = MAX_BODY_KEEP,
         budget: BodyBudget | None = None,
+        redact_fields: frozenset[str] = frozenset(),
     ) -> None:
         self.tap = tap
         self._budget = budget  # the tap's: all the request bodies it holds
+        self._redact_fields = redact_fields  # --redact-json-field, in kept JSON bodies
         self.conn = conn
         self._emit = emit
         self._wall = wall_offset
@@ -516,7 +518,11 @@ class ConnectionObserver:
     def _end_request(self, req: _Request, m: float, *, complete: bool) -> None:
         req.request_done = True
         self._receiving = None
-        body = req.body.record(keep=self._bodies != "none", json_body=req.content_type_json)
+        body = req.body.record(
+            keep=self._bodies != "none",
+            json_body=req.content_type_json,
+            redact=self._redact_fields,
+        )
         self._emit(
             ev.RequestEnd(
                 t=m + self._wall,
