@@ -339,3 +339,35 @@ def test_a_file_that_is_not_a_capture_is_refused_not_an_all_clear(
     path.write_bytes(content)
     with pytest.raises(CaptureError, match=f"not a tracer capture: no capture_start, .*{what}"):
         read_into(path, lambda e: None)
+
+
+def test_rotation_writes_numbered_segments_each_readable_and_all_in_order(
+    tmp_path: Path,
+) -> None:
+    from tracer.analysis import Summary
+    from tracer.capture import expand_captures, read_into
+
+    path = tmp_path / "cap.jsonl"
+    writer = CaptureWriter(path, flush_interval=0.001, max_bytes=2000)
+    writer.write(_header())
+    for i in range(200):
+        writer.write(_open(i))
+        if i % 20 == 0:
+            deadline = time.monotonic() + 5
+            while writer.pending_bytes and time.monotonic() < deadline:
+                time.sleep(0.002)
+    writer.finish("t", "done")
+    segments = writer.segments
+    assert len(segments) >= 3 and segments[1].name == "cap.1.jsonl"
+    for seg in segments:  # each reads alone: its first line is the header
+        assert next(read_records(seg))["type"] == "capture_start"
+    # the shell's glob order (cap.1, cap.10, cap.2 ...) or the directory: segment order
+    shuffled = sorted(str(s) for s in segments)
+    assert expand_captures(shuffled) == [str(s) for s in segments]
+    assert expand_captures([tmp_path]) == [str(s) for s in segments]
+    with Summary() as summary:
+        for seg in expand_captures([tmp_path]):
+            read_into(seg, summary.feed)
+        result = summary.result()
+    assert result["totals"]["connections"] == 200
+    assert "caveats" not in result["verdict"]  # the last segment has the capture_end

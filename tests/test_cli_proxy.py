@@ -334,3 +334,30 @@ async def test_admin_mark_is_a_hang_mark_in_the_capture(tmp_path: Path) -> None:
     doc = json.loads(result.stdout)
     assert doc["evidence"]["marks"] == [marks[0]["t"]]
     assert doc["findings"][0]["kind"] == "idle_at_hang"
+
+
+async def test_a_rotated_capture_is_read_as_one_from_its_folder(tmp_path: Path) -> None:
+    """``--capture-max-bytes``: segments cap.jsonl, cap.1.jsonl ...; ``tracer analyze``
+    given the folder reads them in order as one capture."""
+    folder = tmp_path / "caps"
+    folder.mkdir()
+    async with anyio.create_task_group() as tg:
+        engine = SimEngine(EngineConfig(tokens=5, ttft=0.0, itl=0.0))
+        host, port = await tg.start(engine.serve)
+        async with tracer_proxy(
+            "proxy", "--listen", "127.0.0.1:0", "--upstream", f"http://{host}:{port}",
+            "--capture", str(folder / "cap.jsonl"), "--capture-max-bytes", "0.004",
+            "--no-fingerprint",
+        ) as proc:  # fmt: skip
+            async with httpx.AsyncClient() as client:
+                for i in range(12):
+                    await _stream_once(client, proc.url, f"r{i}")
+        tg.cancel_scope.cancel()
+    names = sorted(p.name for p in folder.iterdir())
+    assert "cap.1.jsonl" in names and "cap.jsonl" in names
+    result = await anyio.run_process(
+        [sys.executable, "-m", "tracer", "analyze", str(folder), "--format", "json"]
+    )
+    doc = json.loads(result.stdout)
+    assert sorted(r["request_id"] for r in doc["requests"]) == sorted(f"r{i}" for i in range(12))
+    assert len(doc["captures"]) == len(names)

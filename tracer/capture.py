@@ -16,9 +16,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,8 @@ class CaptureWriter:
         max_pending_bytes: int = MAX_PENDING_BYTES,
         flush_interval: float = FLUSH_INTERVAL,
         append: str | None = None,
+        max_bytes: int | None = None,
+        max_age: float | None = None,
     ) -> None:
         """A new file only (mode 0600, never through a symlink): an existing path raises
         ``FileExistsError``, so two runs never mix. ``append``: the name of the tap whose
@@ -79,6 +82,14 @@ class CaptureWriter:
         if append is not None:
             with contextlib.suppress(OSError):
                 os.fchmod(self._fd, 0o600)
+        # rotation (--capture-max-bytes, --capture-max-age): numbered segments, each
+        # beginning with the capture's header, so that each reads alone and all in order
+        self._max_bytes, self._max_age = max_bytes, max_age
+        self.segment = 0
+        self.segments = [self.path]
+        self._segment_bytes = 0
+        self._segment_start = time.monotonic()
+        self._header_line: bytes | None = None
         self._max_pending = max_pending_bytes
         self._interval = flush_interval
         self._lock = threading.Lock()
@@ -126,6 +137,8 @@ class CaptureWriter:
         except TypeError:
             line = encode_line({"type": "unencodable", "of": str(record.get("type"))})
         size = len(line)
+        if self._header_line is None and record.get("type") == "capture_start":
+            self._header_line = line  # written again at the top of every segment
         with self._lock:
             batch = self._batch
             if (len(batch) + size > self._max_pending and not force) or self._stop:
@@ -157,6 +170,8 @@ class CaptureWriter:
                 stopping = self._stop  # read after the swap: nothing can be queued after it
             if batch:
                 self._write_batch(batch, records)
+            if not stopping and self._rotation_due():
+                self._rotate()
             if stopping:
                 return
 
@@ -204,9 +219,57 @@ class CaptureWriter:
             return
         self._torn = False
         self._last_error = None
+        self._segment_bytes += len(batch)
         self.written += records
         if lost:
             self._loss_reported += lost
+
+    def _rotation_due(self) -> bool:
+        if self._max_bytes is None and self._max_age is None:
+            return False
+        if self._segment_bytes == 0:
+            return False
+        if self._max_bytes is not None and self._segment_bytes >= self._max_bytes:
+            return True
+        age = time.monotonic() - self._segment_start
+        return self._max_age is not None and age >= self._max_age
+
+    def _rotate(self) -> None:
+        """Close this segment, open the next (``cap.jsonl`` -> ``cap.1.jsonl`` ...), its
+        first line the capture's header; on failure the current one goes on. Under the
+        body-sharing lock: what was queued meanwhile goes to this segment first, and the
+        next segment's bodies name none of this one's (each segment reads alone)."""
+        with self._share_lock:
+            with self._lock:
+                batch, records = self._batch, self._batch_records
+                self._batch, self._batch_records = bytearray(), 0
+            if batch:
+                self._write_batch(batch, records)
+            self._open_next()
+            self._sharing.forget()
+
+    def _open_next(self) -> None:
+        nxt = segment_path(self.path, self.segment + 1)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        try:
+            fd = os.open(nxt, flags, 0o600)
+        except OSError as exc:
+            log.warning("capture segment not opened; the current one goes on", error=str(exc))
+            self._segment_start = time.monotonic()
+            return
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        self._fd = fd
+        self.segment += 1
+        self.segments.append(nxt)
+        self._segment_bytes = 0
+        self._segment_start = time.monotonic()
+        self._torn = False  # a torn line stays in the segment it was cut in
+        if self._header_line is not None:
+            with self._lock:  # first in the new segment
+                self._batch[:0] = self._header_line
+                self._batch_records += 1
+            self._wake.set()
 
     def close(self, *, timeout: float = 2.0) -> None:
         """Flush what is pending and close; never waits longer than ``timeout``."""
@@ -290,6 +353,40 @@ class ReadStats:
 
 
 MAX_PROBLEMS = 5  # bad lines quoted per capture (all are counted)
+_SEGMENT = re.compile(r"^(?P<stem>.*?)(?:\.(?P<n>[0-9]+))?(?P<suffix>\.jsonl)?$")
+
+
+def segment_path(path: Path, n: int) -> Path:
+    """Segment ``n`` of a capture: ``cap.jsonl`` (0), ``cap.1.jsonl``, ``cap.2.jsonl`` ..."""
+    if n == 0:
+        return path
+    suffix = path.suffix if path.suffix else ""
+    stem = path.name[: -len(suffix)] if suffix else path.name
+    return path.with_name(f"{stem}.{n}{suffix}")
+
+
+def expand_captures(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
+    """The captures named: a directory stands for the ``*.jsonl`` files in it; the
+    segments of one rotated capture are put in their order (``cap.jsonl``,
+    ``cap.1.jsonl``, ``cap.2.jsonl`` ... ``cap.10.jsonl``), whatever the shell's glob order."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        files += sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
+
+    def key(f: Path) -> tuple[str, str, int]:
+        m = _SEGMENT.match(f.name)
+        assert m is not None  # the pattern matches any name
+        return (str(f.parent), m["stem"] + (m["suffix"] or ""), int(m["n"] or 0))
+
+    order = {f: i for i, f in enumerate(files)}
+    groups: dict[tuple[str, str], list[Path]] = {}
+    for f in files:
+        k = key(f)
+        groups.setdefault(k[:2], []).append(f)
+    out: list[str] = []
+    for members in sorted(groups.values(), key=lambda m: min(order[f] for f in m)):
+        out += [str(f) for f in sorted(members, key=lambda f: key(f)[2])]
+    return out
 
 
 class CaptureError(Exception):

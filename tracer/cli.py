@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 from . import __version__, logs
 from .analysis import Summary
-from .capture import CaptureError, CaptureWriter, boot_id, read_into
+from .capture import CaptureError, CaptureWriter, boot_id, expand_captures, read_into
 from .faults import KINDS, RULE_KEYS, Fault, FaultSpecError, parse_fault
 from .relay import Tap, TapConfig, parse_hostport, parse_upstream
 from .render import write_json, write_markdown, write_text
@@ -159,6 +159,21 @@ def _parser() -> argparse.ArgumentParser:
         help="extend an existing capture of this tap instead of refusing an existing --capture",
     )
     px.add_argument(
+        "--capture-max-bytes",
+        type=float,
+        default=None,
+        metavar="MIB",
+        help="roll the capture into numbered segments of about this size (cap.jsonl, "
+        "cap.1.jsonl, ...; each begins with the header; readers take the set or its folder)",
+    )
+    px.add_argument(
+        "--capture-max-age",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="roll the capture into a new segment at least this often",
+    )
+    px.add_argument(
         "--stall-after",
         type=float,
         default=5.0,
@@ -284,6 +299,21 @@ def _parser() -> argparse.ArgumentParser:
     wt = sub.add_parser("watch", help="record engine evidence alone (no proxy)")
     wt.add_argument("--capture", required=True, metavar="FILE", help="a new file (mode 0600)")
     wt.add_argument("--append", action="store_true", help="extend an existing capture of this tap")
+    wt.add_argument(
+        "--capture-max-bytes",
+        type=float,
+        default=None,
+        metavar="MIB",
+        help="roll the capture into numbered segments of about this size (cap.jsonl, "
+        "cap.1.jsonl, ...; each begins with the header; readers take the set or its folder)",
+    )
+    wt.add_argument(
+        "--capture-max-age",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="roll the capture into a new segment at least this often",
+    )
     wt.add_argument("--tap", default="watch", metavar="NAME")
     wt.add_argument(
         "--duration",
@@ -429,11 +459,21 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_USAGE
 
 
-def open_capture(path: str, tap: str, append: bool) -> CaptureWriter:
+def open_capture(path: str, tap: str, args: argparse.Namespace) -> CaptureWriter:
     """A capture file of this run's own: a new file (0600, not through a symlink), or
-    with ``--append`` this tap's existing capture. Errors say what to do."""
+    with ``--append`` this tap's existing capture; rolled into numbered segments with
+    ``--capture-max-bytes`` / ``--capture-max-age``. Errors say what to do."""
+    append = args.append
+    max_mib, max_age = args.capture_max_bytes, args.capture_max_age
+    if (max_mib is not None and max_mib <= 0) or (max_age is not None and max_age <= 0):
+        raise ValueError("--capture-max-bytes and --capture-max-age must be more than 0")
     try:
-        return CaptureWriter(path, append=tap if append else None)
+        return CaptureWriter(
+            path,
+            append=tap if append else None,
+            max_bytes=int(max_mib * 1024 * 1024) if max_mib is not None else None,
+            max_age=max_age,
+        )
     except FileExistsError as exc:
         if append:
             raise ValueError(f"capture {exc}") from None
@@ -495,7 +535,7 @@ def _proxy(args: argparse.Namespace) -> int:
     )
     if args.fault_control and admin is None:
         raise ValueError("--fault-control needs --admin HOST:PORT (its /faults changes them)")
-    writer = open_capture(args.capture, config.name, args.append) if args.capture else None
+    writer = open_capture(args.capture, config.name, args) if args.capture else None
     tap = Tap(config, capture=writer)
     poller = engine_poller(args, config.name, tap.safe_emit, tap.wall_offset)
     if args.probe_on_stall:
@@ -603,7 +643,7 @@ def _watch(args: argparse.Namespace) -> int:
     from . import __version__
     from . import events as ev
 
-    writer = open_capture(args.capture, args.tap, args.append)
+    writer = open_capture(args.capture, args.tap, args)
     wall = _time.time() - _time.monotonic()
     now = _time.monotonic()
     writer.write(
@@ -662,7 +702,8 @@ def _fmt(bound: list[tuple[str, int]]) -> str:
 def _analyze(args: argparse.Namespace) -> int:
     with Summary() as summary:  # (rows spilled to temporary files are released on exit)
         captures = [
-            read_into(path, summary.feed).describe(Path(path).name) for path in args.captures
+            read_into(path, summary.feed).describe(Path(path).name)
+            for path in expand_captures(args.captures)
         ]
         marks = [parse_time(value, summary.first_t) for value in args.hang_at]
         # rows are written one at a time: big captures stay affordable

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 from . import __version__
 from .analysis import Summary
 from .atomic import write_atomically
-from .capture import CaptureError, read_into
+from .capture import CaptureError, expand_captures, read_into
 from .engines import progress_delta
 from .findings import Context, Evidence
 from .render import EPOCH, evidence_line
@@ -151,7 +151,7 @@ def load(paths: list[str]) -> tuple[Summary, list[dict[str, Any]]]:
     """Feed every capture to one Summary; per capture: its hash and what reading it found."""
     summary = Summary()
     try:
-        captures = [_feed(summary, path) for path in paths]
+        captures = [_feed(summary, path) for path in expand_captures(paths)]
     except BaseException:
         summary.close()
         raise
