@@ -205,7 +205,9 @@ def _limited(
             yield row
     if shown < limit:
         for row in rows:
-            if shown < limit and not troubled(row):
+            if shown >= limit:
+                break
+            if not troubled(row):
                 shown += 1
                 yield row
 
@@ -272,8 +274,15 @@ def write_text(
             "connection's row was written out, and were ignored"
         )
 
+    # with a limit, the rows shown are picked once (the tables read them twice)
+    conns: Iterable[dict[str, Any]] = result["connections"]
+    reqs: Iterable[dict[str, Any]] = result["requests"]
+    if limit is not None:
+        conns = list(_limited(conns, limit, _connection_troubled))
+        reqs = list(_limited(reqs, limit, _request_troubled))
+
     def connection_cells() -> Iterator[list[str]]:
-        for c in _limited(result["connections"], limit, _connection_troubled):
+        for c in conns:
             if c.get("probes") and not c["requests"]:
                 continue  # a connection that carried only a tap's own probes
             upstream = c["upstream_error"] or c["upstream_local"] or "-"
@@ -294,7 +303,7 @@ def write_text(
             ]
 
     def request_cells() -> Iterator[list[str]]:
-        for r in _limited(result["requests"], limit, _request_troubled):
+        for r in reqs:
             stalls = ",".join(f"{s['direction']}" for s in r["stalls"]) or "-"
             termination = r["termination"]
             if r["close"]:
