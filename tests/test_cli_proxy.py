@@ -351,7 +351,15 @@ async def test_a_rotated_capture_is_read_as_one_from_its_folder(tmp_path: Path) 
         ) as proc:  # fmt: skip
             async with httpx.AsyncClient() as client:
                 for i in range(12):
+                    before = sum(p.stat().st_size for p in folder.iterdir())
                     await _stream_once(client, proc.url, f"r{i}")
+                    # each exchange flushed before the next: segments roll between batches
+                    await wait_until(
+                        lambda before=before: (
+                            sum(p.stat().st_size for p in folder.iterdir()) > before
+                        ),
+                        timeout=20,
+                    )
         tg.cancel_scope.cancel()
     names = sorted(p.name for p in folder.iterdir())
     assert "cap.1.jsonl" in names and "cap.jsonl" in names
