@@ -371,3 +371,32 @@ def test_rotation_writes_numbered_segments_each_readable_and_all_in_order(
         result = summary.result()
     assert result["totals"]["connections"] == 200
     assert "caveats" not in result["verdict"]  # the last segment has the capture_end
+
+
+def test_compressed_segments_are_read_like_plain_ones(tmp_path: Path) -> None:
+    from tracer.capture import expand_captures, read_into
+
+    path = tmp_path / "cap.jsonl"
+    writer = CaptureWriter(path, flush_interval=0.001, max_bytes=2000, compress=True)
+    writer.write(_header())
+    for i in range(200):
+        writer.write(_open(i))
+        if i % 20 == 0:
+            deadline = time.monotonic() + 5
+            while writer.pending_bytes and time.monotonic() < deadline:
+                time.sleep(0.002)
+    writer.finish("t", "done")
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert "cap.jsonl.zst" in names and "cap.1.jsonl.zst" in names  # closed ones packed
+    assert not [n for n in names if n.endswith(".tmp")]
+    segments = expand_captures([tmp_path])
+    assert segments[0].endswith("cap.jsonl.zst")
+    conns = 0
+
+    def count(e: ev.Event) -> None:
+        nonlocal conns
+        conns += isinstance(e, ev.ConnOpen)
+
+    for seg in segments:
+        read_into(seg, count)
+    assert conns == 200

@@ -369,3 +369,6 @@ async def test_a_rotated_capture_is_read_as_one_from_its_folder(tmp_path: Path) 
     doc = json.loads(result.stdout)
     assert sorted(r["request_id"] for r in doc["requests"]) == sorted(f"r{i}" for i in range(12))
     assert len(doc["captures"]) == len(names)
+    from tracer.replay_compare import load  # replay reads the set too
+
+    assert len(load(folder).rows) == 12

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import os
 import re
 import threading
@@ -68,6 +69,7 @@ class CaptureWriter:
         append: str | None = None,
         max_bytes: int | None = None,
         max_age: float | None = None,
+        compress: bool = False,
     ) -> None:
         """A new file only (mode 0600, never through a symlink): an existing path raises
         ``FileExistsError``, so two runs never mix. ``append``: the name of the tap whose
@@ -90,6 +92,8 @@ class CaptureWriter:
         self._segment_bytes = 0
         self._segment_start = time.monotonic()
         self._header_line: bytes | None = None
+        self._compress = compress  # closed segments to NAME.zst, in a thread of their own
+        self._compressors: list[threading.Thread] = []
         self._max_pending = max_pending_bytes
         self._interval = flush_interval
         self._lock = threading.Lock()
@@ -260,6 +264,8 @@ class CaptureWriter:
         with contextlib.suppress(OSError):
             os.close(self._fd)
         self._fd = fd
+        if self._compress:
+            self._compress_later(self.segment)
         self.segment += 1
         self.segments.append(nxt)
         self._segment_bytes = 0
@@ -271,8 +277,26 @@ class CaptureWriter:
                 self._batch_records += 1
             self._wake.set()
 
+    def _compress_later(self, n: int) -> None:
+        """Segment ``n`` (closed) to ``NAME.zst`` in the background; the plain file is
+        removed once the compressed one is whole on disk (a failure keeps the plain one)."""
+        plain = self.segments[n]
+
+        def run() -> None:
+            try:
+                packed = compress_segment(plain)
+            except OSError as exc:
+                log.warning("capture segment not compressed", segment=str(plain), error=str(exc))
+                return
+            self.segments[n] = packed
+
+        thread = threading.Thread(target=run, name="capture-compress", daemon=True)
+        self._compressors.append(thread)
+        thread.start()
+
     def close(self, *, timeout: float = 2.0) -> None:
-        """Flush what is pending and close; never waits longer than ``timeout``."""
+        """Flush what is pending and close; never waits longer than ``timeout`` (for the
+        writer, then for the segments being compressed)."""
         with self._lock:
             self._stop = True
         self._closing.set()
@@ -280,6 +304,8 @@ class CaptureWriter:
         self._thread.join(timeout)
         with contextlib.suppress(OSError):
             os.close(self._fd)
+        for thread in self._compressors:
+            thread.join(timeout)
 
     def finish(self, tap: str, reason: str) -> None:
         """Write ``capture_end`` (with the counts) and close."""
@@ -353,7 +379,37 @@ class ReadStats:
 
 
 MAX_PROBLEMS = 5  # bad lines quoted per capture (all are counted)
-_SEGMENT = re.compile(r"^(?P<stem>.*?)(?:\.(?P<n>[0-9]+))?(?P<suffix>\.jsonl)?$")
+_SEGMENT = re.compile(r"^(?P<stem>.*?)(?:\.(?P<n>[0-9]+))?(?P<suffix>\.jsonl)?(?:\.zst)?$")
+
+
+def compress_segment(plain: Path) -> Path:
+    """``cap.1.jsonl`` -> ``cap.1.jsonl.zst`` (written whole, then the plain file removed)."""
+    import zstandard
+
+    packed = plain.with_name(plain.name + ".zst")
+    tmp = plain.with_name(f".{plain.name}.zst.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with open(plain, "rb") as src, os.fdopen(fd, "wb") as dst:
+            zstandard.ZstdCompressor(level=3).copy_stream(src, dst)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, packed)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    os.unlink(plain)
+    return packed
+
+
+def _open_capture_file(path: str | os.PathLike[str]) -> Any:
+    """A capture file for reading by lines: plain, or a ``.zst`` segment."""
+    if str(path).endswith(".zst"):
+        import zstandard
+
+        source = open(path, "rb")  # noqa: SIM115  (closed with the reader: closefd)
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(source, closefd=True))
+    return open(path, "rb")
 
 
 def segment_path(path: Path, n: int) -> Path:
@@ -371,7 +427,7 @@ def expand_captures(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
     ``cap.1.jsonl``, ``cap.2.jsonl`` ... ``cap.10.jsonl``), whatever the shell's glob order."""
     files: list[Path] = []
     for p in map(Path, paths):
-        files += sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
+        files += sorted([*p.glob("*.jsonl"), *p.glob("*.jsonl.zst")]) if p.is_dir() else [p]
 
     def key(f: Path) -> tuple[str, str, int]:
         m = _SEGMENT.match(f.name)
@@ -402,7 +458,7 @@ def read_records(
     last line without its newline is a torn tail, not an error.
     """
     stats = stats if stats is not None else ReadStats()
-    with open(path, "rb") as fh:
+    with _open_capture_file(path) as fh:
         yield from _read_lines(fh, stats, str(path))
 
 

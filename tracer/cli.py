@@ -174,6 +174,11 @@ def _parser() -> argparse.ArgumentParser:
         help="roll the capture into a new segment at least this often",
     )
     px.add_argument(
+        "--capture-compress",
+        action="store_true",
+        help="zstd-compress each segment once it is closed (cap.1.jsonl.zst; readers take both)",
+    )
+    px.add_argument(
         "--stall-after",
         type=float,
         default=5.0,
@@ -313,6 +318,11 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SECONDS",
         help="roll the capture into a new segment at least this often",
+    )
+    wt.add_argument(
+        "--capture-compress",
+        action="store_true",
+        help="zstd-compress each segment once it is closed (cap.1.jsonl.zst; readers take both)",
     )
     wt.add_argument("--tap", default="watch", metavar="NAME")
     wt.add_argument(
@@ -467,12 +477,15 @@ def open_capture(path: str, tap: str, args: argparse.Namespace) -> CaptureWriter
     max_mib, max_age = args.capture_max_bytes, args.capture_max_age
     if (max_mib is not None and max_mib <= 0) or (max_age is not None and max_age <= 0):
         raise ValueError("--capture-max-bytes and --capture-max-age must be more than 0")
+    if args.capture_compress and max_mib is None and max_age is None:
+        raise ValueError("--capture-compress compresses rotated segments: give --capture-max-bytes")
     try:
         return CaptureWriter(
             path,
             append=tap if append else None,
             max_bytes=int(max_mib * 1024 * 1024) if max_mib is not None else None,
             max_age=max_age,
+            compress=args.capture_compress,
         )
     except FileExistsError as exc:
         if append:

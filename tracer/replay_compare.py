@@ -42,7 +42,7 @@ from rich.table import Table
 from . import events as ev
 from .analysis import RequestRow, Summary
 from .bodies import decode_body
-from .capture import CaptureError, ReadStats, read_events
+from .capture import CaptureError, ReadStats, expand_captures, read_events
 
 SCHEMA = "tracer.replay/1"
 HUNG_SILENCE = 1.0  # seconds of upstream silence before a client gave up: a hang
@@ -127,7 +127,8 @@ class Capture:
 
 
 def load(path: str | os.PathLike[str]) -> Capture:
-    """Fold a capture file; raises CaptureError (unreadable) or ValueError (not one tap)."""
+    """Fold a capture file (or the segments of a rotated one: its folder); raises
+    CaptureError (unreadable) or ValueError (not one tap)."""
     stats = ReadStats()
     summary = Summary()
     conns: dict[int, CapturedConn] = {}
@@ -137,7 +138,8 @@ def load(path: str | os.PathLike[str]) -> Capture:
     kind = "proxy"
     end_m = -math.inf
     try:
-        for event in read_events(path, stats):
+        events = (e for seg in expand_captures([path]) for e in read_events(seg, stats))
+        for event in events:
             summary.feed(event)
             end_m = max(end_m, event.m)
             _fold(event, conns, reqs, taps)
