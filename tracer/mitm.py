@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 from . import events as ev
-from .bodies import RequestBody, encode_body
+from .bodies import BodyBudget, RequestBody, encode_body
 from .capture import CaptureWriter
 from .redact import redact_headers, redact_target, scrub_text
 from .sniff import (
@@ -55,6 +55,7 @@ from .sse import SseEvent, SseSplitter, classify
 
 log = logging.getLogger("tracer.mitm")
 
+BODY_MEMORY = 64 * 1024 * 1024  # what all the request bodies held at once may take (as the tap)
 BODIES = ("none", "requests", "all")
 # The pieces of a batch kept until it is written (SSE, tracer_bodies=all) stay under about
 # MAX_KEPT_BYTES: pieces under BIG_PIECE are bounded by BODY_BATCH_READS (256 x 4 KiB);
@@ -343,6 +344,7 @@ class MitmEngine:
     def __init__(self, writer: CaptureWriter, settings: Settings, header: dict[str, Any]) -> None:
         self.writer: CaptureWriter | None = writer
         self.settings = settings
+        self.body_budget = BodyBudget(BODY_MEMORY)  # every request body held, together
         self.tap = settings.tap
         self._wall = settings.wall
         self._next_conn = 0
@@ -617,7 +619,7 @@ class MitmEngine:
         )
         if streamed:  # another addon streams the request: count it as it goes by
             keep = json_body or self.settings.bodies != "none"  # for the record or its fields
-            st.req_body = RequestBody(MAX_BODY_KEEP, keep=keep)
+            st.req_body = RequestBody(MAX_BODY_KEEP, keep=keep, budget=self.body_budget)
 
     def _on_request_pieces(self, fid: str, times: list[float], pieces: list[bytes]) -> None:
         st = self._flows.get(fid)
@@ -643,7 +645,7 @@ class MitmEngine:
         st.request_done = True
         body = st.req_body
         if body is None:  # buffered by mitmproxy: one piece
-            body = RequestBody(MAX_BODY_KEEP)
+            body = RequestBody(MAX_BODY_KEEP, budget=self.body_budget)
             if content:
                 body.add(content)
         st.req_body = None
