@@ -148,36 +148,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the harness connects to this tap directly (no proxy in front of it); written "
         "into the capture header (default: not declared)",
     )
-    px.add_argument(
-        "--capture",
-        metavar="FILE",
-        help="write the event stream here (JSON Lines; a new file, mode 0600)",
-    )
-    px.add_argument(
-        "--append",
-        action="store_true",
-        help="extend an existing capture of this tap instead of refusing an existing --capture",
-    )
-    px.add_argument(
-        "--capture-max-bytes",
-        type=float,
-        default=None,
-        metavar="MIB",
-        help="roll the capture into numbered segments of about this size (cap.jsonl, "
-        "cap.1.jsonl, ...; each begins with the header; readers take the set or its folder)",
-    )
-    px.add_argument(
-        "--capture-max-age",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="roll the capture into a new segment at least this often",
-    )
-    px.add_argument(
-        "--capture-compress",
-        action="store_true",
-        help="zstd-compress each segment once it is closed (cap.1.jsonl.zst; readers take both)",
-    )
+    _capture_arguments(px, required=False)
     px.add_argument(
         "--stall-after",
         type=float,
@@ -302,28 +273,7 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     wt = sub.add_parser("watch", help="record engine evidence alone (no proxy)")
-    wt.add_argument("--capture", required=True, metavar="FILE", help="a new file (mode 0600)")
-    wt.add_argument("--append", action="store_true", help="extend an existing capture of this tap")
-    wt.add_argument(
-        "--capture-max-bytes",
-        type=float,
-        default=None,
-        metavar="MIB",
-        help="roll the capture into numbered segments of about this size (cap.jsonl, "
-        "cap.1.jsonl, ...; each begins with the header; readers take the set or its folder)",
-    )
-    wt.add_argument(
-        "--capture-max-age",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="roll the capture into a new segment at least this often",
-    )
-    wt.add_argument(
-        "--capture-compress",
-        action="store_true",
-        help="zstd-compress each segment once it is closed (cap.1.jsonl.zst; readers take both)",
-    )
+    _capture_arguments(wt, required=True)
     wt.add_argument("--tap", default="watch", metavar="NAME")
     wt.add_argument(
         "--duration",
@@ -467,6 +417,41 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())  # nothing more to flush at exit
         return 128 + signal.SIGPIPE
     return EXIT_USAGE
+
+
+def _capture_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    """The capture file's options, the same for ``proxy`` and ``watch`` (``open_capture``)."""
+    parser.add_argument(
+        "--capture",
+        required=required,
+        metavar="FILE",
+        help="write the event stream here (JSON Lines; a new file, mode 0600)",
+    )
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="extend an existing capture of this tap instead of refusing an existing --capture",
+    )
+    parser.add_argument(
+        "--capture-max-bytes",
+        type=float,
+        default=None,
+        metavar="MIB",
+        help="roll the capture into numbered segments of about this size (cap.jsonl, "
+        "cap.1.jsonl, ...; each begins with the header; readers take the set or its folder)",
+    )
+    parser.add_argument(
+        "--capture-max-age",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="roll the capture into a new segment at least this often",
+    )
+    parser.add_argument(
+        "--capture-compress",
+        action="store_true",
+        help="zstd-compress each segment once it is closed (cap.1.jsonl.zst; readers take both)",
+    )
 
 
 def open_capture(path: str, tap: str, args: argparse.Namespace) -> CaptureWriter:

@@ -173,7 +173,6 @@ class Tap:
         self.started_m = time.monotonic()
         self.bound: list[tuple[str, int]] = []
         self._tg: anyio.abc.TaskGroup | None = None
-        self.topology: topology.Verdict | None = None  # once declared or fingerprinted
         self.lag_windows = 0  # event-loop lag windows closed (tap_lag records or not)
 
     # ---- events -------------------------------------------------------------------
@@ -378,7 +377,6 @@ class Tap:
             verdict = topology.Verdict(
                 "unknown", "unknown", [f"fingerprint failed: {topology.describe_error(exc)}"]
             )
-        self.topology = verdict
         now = time.monotonic()
         self.safe_emit(
             ev.Topology(

@@ -387,10 +387,7 @@ class ConnectionObserver:
                     )
                     self._head_lines, self._head_tail = 0, b""
                 if self._head_lines >= 0:  # the head's lines only, not the body's after it
-                    seen = self._head_tail + data
-                    end = seen.find(b"\r\n\r\n")
-                    self._head_lines += seen.count(b"\n", len(self._head_tail), end + 1 or None)
-                    self._head_tail = seen[-3:]
+                    self._count_head_lines(data)
                     if self._head_lines > MAX_HEADER_LINES:
                         raise h11.RemoteProtocolError(
                             f"a request head of over {MAX_HEADER_LINES} lines: not parsed"
@@ -408,6 +405,16 @@ class ConnectionObserver:
                 if what is not None:  # h11's words say less: "illegal request line"
                     exc = h11.RemoteProtocolError(f"{what} on a plain HTTP/1.1 listener ({exc})")
                 self._go_blind("client", exc, m)
+
+    def _count_head_lines(self, data: bytes) -> None:
+        """Add the newlines of ``data`` that come before the head's end (CRLFCRLF, which
+        may span the previous read), without copying ``data``."""
+        tail = self._head_tail
+        end = data.find(b"\r\n\r\n")
+        if tail and (tail + data[:3]).find(b"\r\n\r\n") >= 0:
+            end = 0  # the head ended across the two reads: none of these lines are its
+        self._head_lines += data.count(b"\n", 0, len(data) if end < 0 else end + 1)
+        self._head_tail = (tail + data)[-3:] if len(data) < 3 else data[-3:]
 
     def _pump_request(self, m: float) -> bytes:
         """Events of the current request; returns the bytes after its end (if it ended)."""

@@ -96,10 +96,6 @@ class EngineView:
         )
 
     @property
-    def busy(self) -> bool:
-        return self.loaded
-
-    @property
     def producing(self) -> bool:
         """Tokens were produced in the window (progress, or requests finishing)."""
         return bool(self.progress) or bool(self.finished)

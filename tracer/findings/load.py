@@ -27,7 +27,7 @@ def analyze_load(ctx: Context) -> list[Finding]:
     for r in ctx.interesting:
         if r.first_token is None or r.first_token < SLOW_FIRST_TOKEN:
             continue
-        if ctx.engine_view(r.start, r.start + r.first_token).busy:
+        if ctx.engine_view(r.start, r.start + r.first_token).loaded:
             slow[r.tap].append(r)
     out: list[Finding] = []
     for tap, rows in sorted(slow.items()):
