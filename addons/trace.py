@@ -341,6 +341,7 @@ class TraceAddon:
         self.tap = "mitmproxy"
         self.stall_after = 5.0
         self.bodies = "requests"
+        self.body_memory = 64 * 1024 * 1024
         self.sidecar = True
         self.engine: MitmEngine | None = None  # tracer_sidecar=false
         self.process: _CaptureProcess | None = None  # tracer_sidecar=true
@@ -375,6 +376,13 @@ class TraceAddon:
             "Bodies kept in the capture: none, requests (default) or all.",
             choices=list(BODIES),
         )
+        loader.add_option(  # a string, as tracer_stall_after
+            "tracer_body_memory",
+            str,
+            "64",
+            "MiB all request bodies held at once may take; past it a body is hashed as it "
+            "streams, and its record says so.",
+        )
         loader.add_option(
             "tracer_sidecar",
             bool,
@@ -395,6 +403,16 @@ class TraceAddon:
                     f"got {opts.tracer_stall_after!r}"
                 )
             self.stall_after = stall_after
+        if "tracer_body_memory" in updated:
+            try:
+                mib = float(opts.tracer_body_memory)
+            except ValueError:
+                mib = float("nan")
+            if not 0 <= mib <= 1 << 20:
+                raise _options_error(
+                    f"tracer_body_memory must be MiB, 0 or more, got {opts.tracer_body_memory!r}"
+                )
+            self.body_memory = int(mib * 1024 * 1024)
         if "tracer_tap" in updated:
             tap = str(opts.tracer_tap).strip()
             if not tap:
@@ -429,6 +447,7 @@ class TraceAddon:
             tap=self.tap,
             stall_after=self.stall_after,
             bodies=self.bodies,
+            body_memory=self.body_memory,
             tcp_timeout=_number(getattr(ctx.options, "tcp_timeout", None)),
             wall=wall,
         )

@@ -315,6 +315,11 @@ def test_options_are_validated(tmp_path: Path) -> None:
             tctx.configure(addon, tracer_bodies="some")
         with pytest.raises(exceptions.OptionsError, match="tracer_tap"):
             tctx.configure(addon, tracer_tap=" ")
+        for bad in ("-1", "lots"):
+            with pytest.raises(exceptions.OptionsError, match="tracer_body_memory"):
+                tctx.configure(addon, tracer_body_memory=bad)
+        tctx.configure(addon, tracer_body_memory="0.5")
+        assert addon.body_memory == 512 * 1024
         with pytest.raises(exceptions.OptionsError, match="cannot open"):
             tctx.configure(addon, tracer_capture=str(tmp_path / "no" / "such" / "dir.jsonl"))
         tctx.configure(addon, tracer_stall_after="0.25", tracer_bodies="all", tracer_tap="edge")

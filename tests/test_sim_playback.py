@@ -397,3 +397,15 @@ def test_bad_options_are_named(
     code = cli.main(["sim", "engine", "--listen", "127.0.0.1:0", *args])
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_playbook_from_a_folder_reads_the_captures_in_it(capture: Path, tmp_path: Path) -> None:
+    """--from takes the folder of a rotated capture, as analyze and replay do."""
+    from tracer.sim.playback import load_playbook
+
+    folder = tmp_path / "rotated"
+    folder.mkdir()
+    (folder / "cap.jsonl").write_bytes(capture.read_bytes())
+    from_file = load_playbook(capture)
+    from_folder = load_playbook(folder)
+    assert from_folder.summary() == from_file.summary()

@@ -149,3 +149,61 @@ def test_newlines_in_a_body_are_not_head_lines() -> None:
     assert not [e for e in events if isinstance(e, ev.Anomaly)]
     ends = [e for e in events if isinstance(e, ev.RequestEnd)]
     assert len(ends) == 2 and all(e.complete and e.body_bytes == len(body) for e in ends)
+
+
+async def test_a_low_descriptor_limit_gives_late_clients_the_taps_503_not_an_eof(
+    tmp_path: Path,
+) -> None:
+    """A real `tracer proxy` under a hard limit of 160 descriptors, no --max-connections:
+    its default keeps a descriptor for every client and its upstream, so the clients past
+    that get its 503 with the limit named, and none is dropped with an EOF."""
+    import re
+    import subprocess
+    import sys
+
+    async def hold(stream: SocketStream, conn: UpConn) -> None:
+        await conn.wait_for(lambda c: c.eof or c.reset, timeout=60)
+
+    code = (
+        "import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (160, 160)); "
+        "sys.argv = ['tracer', *sys.argv[1:]]; runpy.run_module('tracer', run_name='__main__')"
+    )
+    upstream = RawUpstream(hold)
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(upstream.serve)
+        cmd = [sys.executable, "-c", code, "proxy", "--listen", "127.0.0.1:0"]
+        cmd += ["--upstream", f"http://127.0.0.1:{port}", "--capture", str(tmp_path / "c.jsonl")]
+        cmd += ["--no-fingerprint"]
+        process = await anyio.open_process(cmd, stdout=subprocess.DEVNULL)
+        try:
+            assert process.stderr is not None
+            text = ""
+            with anyio.fail_after(20):
+                while not (found := re.search(r"listening on 127\.0\.0\.1:(\d+)", text)):
+                    text += (await process.stderr.receive()).decode()
+            tap_port = int(found.group(1))
+            clients = []
+            for _ in range(60):
+                client = await anyio.connect_tcp("127.0.0.1", tap_port)
+                await client.send(b"GET /v1/models HTTP/1.1\r\nHost: r\r\n\r\n")
+                clients.append(client)
+            answers = []
+            for client in clients[48:]:  # (160 - 64) // 2 = 48 are let through
+                answer = b""
+                with anyio.fail_after(10):
+                    try:
+                        while True:
+                            answer += await client.receive()
+                    except (anyio.EndOfStream, anyio.BrokenResourceError):
+                        pass
+                answers.append(answer)
+            assert all(a.startswith(b"HTTP/1.1 503 ") for a in answers), answers
+            assert b"--max-connections (48)" in answers[0]
+            assert len(upstream.conns) == 48
+            for client in clients:
+                await client.aclose()
+        finally:
+            process.terminate()
+            with anyio.fail_after(10):
+                await process.wait()
+        tg.cancel_scope.cancel()

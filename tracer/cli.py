@@ -22,7 +22,7 @@ from . import __version__, logs
 from .analysis import Summary
 from .capture import CaptureError, CaptureWriter, boot_id, expand_captures, read_into
 from .faults import KINDS, RULE_KEYS, Fault, FaultSpecError, parse_fault
-from .relay import Tap, TapConfig, parse_hostport, parse_upstream
+from .relay import Tap, TapConfig, descriptor_budget, parse_hostport, parse_upstream
 from .render import write_json, write_markdown, write_text
 
 EXIT_USAGE = 2
@@ -172,10 +172,11 @@ def _parser() -> argparse.ArgumentParser:
     px.add_argument(
         "--max-connections",
         type=int,
-        default=0,
+        default=None,
         metavar="N",
         help="client connections open at once; past it the tap answers 503 itself and logs "
-        "it (default: 0, no limit but the process's descriptors)",
+        "it (default: what the descriptor limit allows, each client taking two, after the "
+        "soft limit is raised to the hard one; 0: no limit)",
     )
     px.add_argument(
         "--body-memory",
@@ -504,7 +505,9 @@ def _proxy(args: argparse.Namespace) -> int:
             raise ValueError(f"--admin-token-file: {exc.strerror or exc}") from None
         if len(token) < 16:
             raise ValueError("--admin-token-file: the token must be 16 characters or more")
-    if args.max_connections < 0:
+    if args.max_connections is None:
+        args.max_connections = descriptor_budget()
+    elif args.max_connections < 0:
         raise ValueError("--max-connections must be 0 (no limit) or more")
     if args.body_memory < 0:
         raise ValueError("--body-memory must be 0 or more (MiB)")

@@ -105,6 +105,7 @@ class Settings:
     stall_after: float = 5.0
     bodies: str = "requests"
     tcp_timeout: float | None = None
+    body_memory: int = BODY_MEMORY  # tracer_body_memory
     wall: float = 0.0  # time.time() - time.monotonic() in mitmproxy's process
 
 
@@ -344,7 +345,7 @@ class MitmEngine:
     def __init__(self, writer: CaptureWriter, settings: Settings, header: dict[str, Any]) -> None:
         self.writer: CaptureWriter | None = writer
         self.settings = settings
-        self.body_budget = BodyBudget(BODY_MEMORY)  # every request body held, together
+        self.body_budget = BodyBudget(settings.body_memory)  # every request body held, together
         self.tap = settings.tap
         self._wall = settings.wall
         self._next_conn = 0

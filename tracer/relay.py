@@ -40,6 +40,7 @@ import errno
 import fcntl
 import functools
 import math
+import resource
 import socket
 import struct
 import termios
@@ -79,6 +80,27 @@ log = structlog.get_logger("tracer.relay")
 READ_SIZE = 65536
 # errors that are the tap's own limits, not its upstream's: reported as such (503)
 OWN_LIMITS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+# descriptors kept back from the client budget: capture, admin, probes, logs, the loop
+_SPARE_DESCRIPTORS = 64
+
+
+def descriptor_budget() -> int:
+    """The default ``--max-connections``: raise the soft descriptor limit to the hard one
+    (as Go's runtime does), then allow as many clients as have a descriptor for themselves
+    and one for their upstream, less a reserve. Past it the tap answers its own 503
+    instead of running out of descriptors, where a client could only get an EOF."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    wanted = min(wanted, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(1, (soft - _SPARE_DESCRIPTORS) // 2)
+
+
 LAG_WINDOW = 1.0  # seconds: at most one tap_lag record per window
 
 
@@ -321,7 +343,13 @@ class Tap:
         self.bound = [
             (str(sock.getsockname()[0]), int(sock.getsockname()[1])) for sock in server.sockets
         ]
-        log.info("tap listening", tap=cfg.name, listen=self.bound, upstream=cfg.upstream_url)
+        log.info(
+            "tap listening",
+            tap=cfg.name,
+            listen=self.bound,
+            upstream=cfg.upstream_url,
+            max_connections=cfg.max_connections or None,
+        )
         try:
             with structlog.contextvars.bound_contextvars(tap=cfg.name):
                 async with anyio.create_task_group() as tg:

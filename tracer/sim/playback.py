@@ -60,7 +60,7 @@ import orjson
 from anyio.abc import SocketStream
 
 from .. import events as ev
-from ..capture import read_events
+from ..capture import expand_captures, read_events
 from .engine import (
     _SOCKET_ERRORS,
     EngineConfig,
@@ -517,9 +517,11 @@ class Playbook:
 
 
 def load_playbook(path: str | os.PathLike[str], *, repeat: bool = False) -> Playbook:
-    """Read a capture into a playbook; ValueError when it cannot be read or has nothing."""
+    """Read a capture (a file, or the folder of a rotated one) into a playbook; ValueError
+    when it cannot be read or has nothing."""
+    files = expand_captures([path])
     try:
-        responses, skipped = build_playbook(read_events(path))
+        responses, skipped = build_playbook(e for f in files for e in read_events(f))
     except OSError as exc:
         raise ValueError(f"--from {path}: {exc.strerror or exc}") from None
     if not responses:
