@@ -100,10 +100,11 @@ async def test_bench_matches_the_engines_decode_rate(tmp_path: Path) -> None:
             # every token the engine produced was counted once
             assert engine.scheduler.generation_tokens_total - tokens0 == r["output_tokens"]
             step = 0.01 * (1 + 0.1 * (c - 1))
-            assert engine_step == pytest.approx(step, rel=0.05), engine_step
+            # a loaded machine wakes the engine late: the configured step is a floor and a
+            # rough size, what bench must match is the step the engine delivered
+            assert step * 0.95 <= engine_step <= step * 2, engine_step
             tpot = r["tpot_ms"]["mean"] / 1000
             assert tpot == pytest.approx(engine_step, rel=0.03), (tpot, engine_step)
-            assert tpot == pytest.approx(step, rel=0.05), (tpot, step)  # the configured rate
             assert r["itl_ms"]["mean"] / 1000 == pytest.approx(engine_step, rel=0.02)
             # the batch model's rate is a ceiling: staggered arrivals (each one a prefill
             # that pauses decode) cost a few percent

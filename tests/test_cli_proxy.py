@@ -51,6 +51,12 @@ async def tracer_proxy(*args: str) -> AsyncIterator[Proc]:
             while True:
                 line = (await reader.receive_until(b"\n", 65536)).decode()
                 lines.append(line)
+                if line.startswith("{"):  # --log-json: the same news as a JSON line
+                    record = json.loads(line)
+                    if record["event"] == "listening":
+                        found = re.fullmatch(r"127\.0\.0\.1:(\d+)", record["listen"])
+                        break
+                    continue
                 found = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
                 if found and line.startswith("tracer proxy"):
                     break
@@ -104,8 +110,8 @@ async def test_sigterm_flushes_and_exits_fast(tmp_path: Path) -> None:
     async with anyio.create_task_group() as tg:
         host, port = await tg.start(engine.serve)
         async with tracer_proxy(
-            "--log-json",
             "proxy",
+            "--log-json",  # after the command, as the README shows it
             "--listen",
             "127.0.0.1:0",
             "--upstream",
@@ -139,8 +145,9 @@ async def test_sigterm_flushes_and_exits_fast(tmp_path: Path) -> None:
     ]
     assert b"sk-top-secret" not in capture.read_bytes()
     # JSON log lines: every line about a connection carries its id
-    logs = [json.loads(line) for line in proc.lines if line.startswith("{")]
+    logs = [json.loads(line) for line in proc.lines if line.strip()]  # every line is JSON
     assert any(line.get("event") == "stopping" for line in logs)
+    assert not any(v is None for line in logs for v in line.values())  # no empty fields
 
 
 async def test_kill_9_keeps_what_was_flushed(tmp_path: Path) -> None:

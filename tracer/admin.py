@@ -33,6 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from . import events as ev
 from .engines import progress_delta
+from .errors import start_error
 from .faults import Fault, FaultSpecError, parse_fault
 from .relay import Tap
 
@@ -332,7 +333,10 @@ class AdminServer:
     async def serve(
         self, *, task_status: TaskStatus[tuple[str, int]] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        listener = await anyio.create_tcp_listener(local_host=self.host, local_port=self.port)
+        try:
+            listener = await anyio.create_tcp_listener(local_host=self.host, local_port=self.port)
+        except OSError as exc:
+            raise start_error(f"cannot serve --admin on {self.host}:{self.port}", exc) from None
         first = listener.listeners[0]
         self.bound = (
             str(first.extra(SocketAttribute.local_address)[0]),

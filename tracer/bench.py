@@ -600,7 +600,6 @@ failed, 2 usage error, 3 unreadable capture, 4 the engine is not idle (see --for
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Declare this command's options."""
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
     parser.add_argument("--target", required=True, metavar="URL", help="http://HOST:PORT")
     parser.add_argument(

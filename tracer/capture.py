@@ -81,6 +81,7 @@ class CaptureWriter:
         else:
             _check_append(self.path, append)
         self._fd = os.open(self.path, flags, 0o600)
+        self._start_size = os.fstat(self._fd).st_size  # discard() cuts an --append back to it
         if append is not None:
             with contextlib.suppress(OSError):
                 os.fchmod(self._fd, 0o600)
@@ -306,6 +307,19 @@ class CaptureWriter:
             os.close(self._fd)
         for thread in self._compressors:
             thread.join(timeout)
+
+    def discard(self) -> None:
+        """Undo this run's capture (its start failed): close, then remove the file it
+        made, or cut an ``--append``-ed one back to where it was."""
+        with self._lock:
+            self._batch.clear()
+            self._batch_records = 0
+        self.close()
+        with contextlib.suppress(OSError):
+            if self._start_size:
+                os.truncate(self.path, self._start_size)
+            else:
+                self.path.unlink()
 
     def finish(self, tap: str, reason: str) -> None:
         """Write ``capture_end`` (with the counts) and close."""

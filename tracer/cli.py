@@ -21,12 +21,35 @@ if TYPE_CHECKING:
 from . import __version__, logs
 from .analysis import Summary
 from .capture import CaptureError, CaptureWriter, boot_id, expand_captures, read_into
+from .cliparse import (
+    TracerParser,
+    http_url,
+    leaf_exception,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
+from .errors import StartError
 from .faults import KINDS, RULE_KEYS, Fault, FaultSpecError, parse_fault
 from .relay import Tap, TapConfig, descriptor_budget, parse_hostport, parse_upstream
 from .render import write_json, write_markdown, write_text
 
+EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 EXIT_INPUT = 3
+
+MAIN_EPILOG = """\
+start here:
+  make demo                 the incident reproduced on this machine, with its report
+  tracer proxy --listen 127.0.0.1:8080 --upstream http://127.0.0.1:30000 --capture front.jsonl
+                            put the tap in front of the router; point the client's base_url
+                            at http://127.0.0.1:8080/v1
+  tracer report front.jsonl when it hangs: who is at fault, with the evidence
+  tracer info front.jsonl   what a capture holds
+
+exit codes: 0 done, 1 failed at run time, 2 bad arguments, 3 input that is not a capture
+"""
 
 # `tracer demo --scenario` (tracer/demo.py; named here so that parsing imports no SDK)
 DEMOS = {
@@ -99,6 +122,22 @@ def _fault_epilog() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _hostport_arg(text: str) -> str:
+    try:
+        parse_hostport(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _upstream_arg(text: str) -> str:
+    try:
+        parse_upstream(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _fault_arg(text: str) -> Fault:
     try:
         return parse_fault(text)
@@ -107,23 +146,34 @@ def _fault_arg(text: str) -> Fault:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="tracer", description="Traffic-layer diagnostic proxy for LLM serving."
+    p = TracerParser(
+        prog="tracer",
+        description="Traffic-layer diagnostic proxy for LLM serving.",
+        epilog=MAIN_EPILOG,
+        top=True,
     )
     p.add_argument("--version", action="version", version=f"tracer {__version__}")
-    p.add_argument("--log-json", action="store_true", help="log JSON lines (for machines)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     px = sub.add_parser(
         "proxy",
         help="run the inline tap",
         epilog=PROXY_EPILOG + _fault_epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    px.add_argument("--listen", required=True, metavar="HOST:PORT")
     px.add_argument(
-        "--upstream", required=True, metavar="URL", help="http://HOST:PORT of the router"
+        "--listen",
+        required=True,
+        type=_hostport_arg,
+        metavar="HOST:PORT",
+        help="where the clients connect (point their base_url here; port 0: any free one)",
+    )
+    px.add_argument(
+        "--upstream",
+        required=True,
+        type=_upstream_arg,
+        metavar="URL",
+        help="http://HOST:PORT of what the clients talked to before: the router, a proxy or "
+        "an engine",
     )
     px.add_argument("--tap", default="tap", metavar="NAME", help="this tap's name in the capture")
     px.add_argument(
@@ -151,12 +201,17 @@ def _parser() -> argparse.ArgumentParser:
     _capture_arguments(px, required=False)
     px.add_argument(
         "--stall-after",
-        type=float,
+        type=positive_float,
         default=5.0,
         metavar="SECONDS",
-        help="no bytes for this long on a request in flight is a stall (default 5)",
+        help="no bytes for this long on a request in flight is a stall",
     )
-    px.add_argument("--admin", metavar="HOST:PORT", help="serve /metrics and /status here")
+    px.add_argument(
+        "--admin",
+        type=_hostport_arg,
+        metavar="HOST:PORT",
+        help="serve /metrics, /status (for tracer top) and /mark here (default: off)",
+    )
     px.add_argument(
         "--admin-allow-remote",
         action="store_true",
@@ -171,7 +226,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     px.add_argument(
         "--max-connections",
-        type=int,
+        type=non_negative_int,
         default=None,
         metavar="N",
         help="client connections open at once; past it the tap answers 503 itself and logs "
@@ -180,7 +235,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     px.add_argument(
         "--body-memory",
-        type=float,
+        type=non_negative_float,
         default=64.0,
         metavar="MIB",
         help="memory all request bodies held at once may take (kept for the capture, JSON "
@@ -203,10 +258,16 @@ def _parser() -> argparse.ArgumentParser:
         help="bodies kept in the capture (default: requests, enough to replay; they hold the "
         "prompts: --bodies none, or --redact-json-field, where prompts are secret)",
     )
-    px.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS")
+    px.add_argument(
+        "--connect-timeout",
+        type=positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="give up connecting to the upstream after this long (the client gets a 502)",
+    )
     px.add_argument(
         "--idle-timeout",
-        type=float,
+        type=positive_float,
         default=None,
         metavar="SECONDS",
         help="close keep-alive connections idle this long (default: never)",
@@ -233,17 +294,17 @@ def _parser() -> argparse.ArgumentParser:
     px.add_argument("--probe-model", metavar="NAME", help="model for --probe-kind completion")
     px.add_argument(
         "--probe-interval",
-        type=float,
+        type=positive_float,
         default=5.0,
         metavar="SECONDS",
-        help="at most one round of probes per this many seconds (default 5)",
+        help="at most one round of probes per this many seconds",
     )
     px.add_argument(
         "--probe-busy-threshold",
-        type=int,
+        type=positive_int,
         default=32,
         metavar="N",
-        help="skip probes while an engine reports running+queued >= N (default 32)",
+        help="skip probes while an engine reports running+queued >= N",
     )
     px.add_argument(
         "--fault",
@@ -262,15 +323,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     px.add_argument(
         "--otlp",
+        type=http_url,
         metavar="URL",
         help="export one OpenTelemetry span per request to this OTLP/HTTP endpoint "
         "(e.g. http://127.0.0.1:4318)",
     )
     px.add_argument(
         "--max-header-bytes",
-        type=int,
+        type=positive_int,
         default=64 * 1024,
-        help="the observer stops parsing a connection whose head exceeds this",
+        metavar="BYTES",
+        help="a request head past this is forwarded but not parsed (an anomaly says so)",
     )
 
     wt = sub.add_parser("watch", help="record engine evidence alone (no proxy)")
@@ -278,7 +341,7 @@ def _parser() -> argparse.ArgumentParser:
     wt.add_argument("--tap", default="watch", metavar="NAME")
     wt.add_argument(
         "--duration",
-        type=float,
+        type=positive_float,
         default=None,
         metavar="SECONDS",
         help="stop after this long (default: until SIGINT/SIGTERM)",
@@ -286,11 +349,22 @@ def _parser() -> argparse.ArgumentParser:
     _engine_arguments(wt, required=True)
 
     an = sub.add_parser("analyze", help="tables (and findings) from captures")
-    an.add_argument("captures", nargs="+", metavar="CAPTURE")
-    an.add_argument("--format", choices=["text", "json", "md"], default="text")
+    an.add_argument(
+        "captures",
+        nargs="+",
+        metavar="CAPTURE",
+        help="capture files of one incident (one per tap; a rotated capture's segments or "
+        "its folder; pcap files are not read yet)",
+    )
+    an.add_argument(
+        "--format",
+        choices=["text", "json", "md"],
+        default="text",
+        help="text for people, json for machines (schema tracer.analysis), md for a document",
+    )
     an.add_argument(
         "--limit",
-        type=int,
+        type=non_negative_int,
         default=50,
         metavar="N",
         help="rows shown per table in text output, those that went wrong first (0: all; "
@@ -315,7 +389,6 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         help="reproduce the incident (or another scenario) on this machine",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="scenarios:\n" + "\n".join(f"  {name:20} {text}" for name, text in DEMOS.items()),
     )
     demo.add_argument("--out", default="demo-out", metavar="DIR")
@@ -334,7 +407,7 @@ def _parser() -> argparse.ArgumentParser:
     sim_sub = sim.add_subparsers(dest="sim_command", required=True)
     from .sim import cli as sim_cli
 
-    sim_cli.register(sim_sub)
+    sim_cli.register(sim_sub)  # type: ignore[arg-type]  # a subclass of ArgumentParser
     return p
 
 
@@ -344,16 +417,30 @@ def _engine_arguments(p: argparse.ArgumentParser, *, required: bool = False) -> 
         action="append",
         default=[],
         metavar="URL",
+        type=http_url,
         required=required,
         help="an engine's, worker's or the router's Prometheus /metrics URL "
         "(repeatable); scraped every --metrics-interval into the capture",
     )
-    p.add_argument("--metrics-interval", type=float, default=1.0, metavar="SECONDS")
-    p.add_argument("--metrics-timeout", type=float, default=2.0, metavar="SECONDS")
+    p.add_argument(
+        "--metrics-interval",
+        type=positive_float,
+        default=1.0,
+        metavar="SECONDS",
+        help="how often the metrics and health URLs are read",
+    )
+    p.add_argument(
+        "--metrics-timeout",
+        type=positive_float,
+        default=2.0,
+        metavar="SECONDS",
+        help="a scrape slower than this is recorded as failed",
+    )
     p.add_argument(
         "--health",
         action="append",
         default=[],
+        type=http_url,
         metavar="URL",
         help="a health URL polled on the same schedule (e.g. the router's /readiness)",
     )
@@ -388,35 +475,68 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logs.configure(json=args.log_json, level=args.log_level)
     try:
-        if args.command == "proxy":
-            return _proxy(args)
-        if args.command == "analyze":
-            return _analyze(args)
-        if args.command == "watch":
-            return _watch(args)
-        if args.command == "demo":
-            from .demo import main as demo_main
+        return _dispatch(args)
+    except BaseException as exc:  # every way out is one line and an exit code
+        return _exit_for(exc, args)
 
-            return demo_main(args.out, args.scenario)
-        if args.command in COMMANDS:
-            module = importlib.import_module(f".{args.command}", __package__)
-            return int(module.run(args))
-        if args.command == "sim":
-            from .sim import cli as sim_cli
 
-            return sim_cli.run(args)
-    except ValueError as exc:
-        print(f"tracer: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except CaptureError as exc:
-        print(f"tracer: {exc}", file=sys.stderr)
-        return EXIT_INPUT
-    except KeyboardInterrupt:
+def _exit_for(exc: BaseException, args: argparse.Namespace) -> int:
+    """What an exception becomes for the user: one line on stderr and an exit code
+    (2 usage, 3 input that is not a capture, 1 anything else); never a traceback but at
+    ``--log-level debug``."""
+    leaf = leaf_exception(exc)
+    if isinstance(leaf, SystemExit):
+        raise leaf
+    if isinstance(leaf, KeyboardInterrupt):
         return 130
-    except BrokenPipeError:  # the reader of our output went away (`| head`): not an error
+    if isinstance(leaf, BrokenPipeError):  # the reader of our output went away (`| head`)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # nothing more to flush at exit
         return 128 + signal.SIGPIPE
+    if isinstance(leaf, ValueError):
+        _say(str(leaf))
+        return EXIT_USAGE
+    if isinstance(leaf, CaptureError):
+        _say(str(leaf))
+        return EXIT_INPUT
+    if isinstance(leaf, StartError):
+        _say(str(leaf))
+    elif isinstance(leaf, OSError):
+        where = f"{leaf.filename}: " if leaf.filename else ""
+        _say(f"{where}{leaf.strerror or leaf}")
+    else:
+        _say(
+            f"internal error: {type(leaf).__name__}: {leaf} (a bug; --log-level debug shows where)"
+        )
+    if args.log_level == "debug":
+        import traceback
+
+        traceback.print_exception(leaf, file=sys.stderr)
+    return EXIT_RUNTIME
+
+
+def _say(text: str) -> None:
+    print(f"tracer: {text}", file=sys.stderr, flush=True)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "proxy":
+        return _proxy(args)
+    if args.command == "analyze":
+        return _analyze(args)
+    if args.command == "watch":
+        return _watch(args)
+    if args.command == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(args.out, args.scenario)
+    if args.command in COMMANDS:
+        module = importlib.import_module(f".{args.command}", __package__)
+        return int(module.run(args))
+    if args.command == "sim":
+        from .sim import cli as sim_cli
+
+        return sim_cli.run(args)
     return EXIT_USAGE
 
 
@@ -435,7 +555,7 @@ def _capture_arguments(parser: argparse.ArgumentParser, *, required: bool) -> No
     )
     parser.add_argument(
         "--capture-max-bytes",
-        type=float,
+        type=positive_float,
         default=None,
         metavar="MIB",
         help="roll the capture into numbered segments of about this size (cap.jsonl, "
@@ -443,7 +563,7 @@ def _capture_arguments(parser: argparse.ArgumentParser, *, required: bool) -> No
     )
     parser.add_argument(
         "--capture-max-age",
-        type=float,
+        type=positive_float,
         default=None,
         metavar="SECONDS",
         help="roll the capture into a new segment at least this often",
@@ -461,8 +581,6 @@ def open_capture(path: str, tap: str, args: argparse.Namespace) -> CaptureWriter
     ``--capture-max-bytes`` / ``--capture-max-age``. Errors say what to do."""
     append = args.append
     max_mib, max_age = args.capture_max_bytes, args.capture_max_age
-    if (max_mib is not None and max_mib <= 0) or (max_age is not None and max_age <= 0):
-        raise ValueError("--capture-max-bytes and --capture-max-age must be more than 0")
     if args.capture_compress and max_mib is None and max_age is None:
         raise ValueError("--capture-compress compresses rotated segments: give --capture-max-bytes")
     try:
@@ -507,10 +625,6 @@ def _proxy(args: argparse.Namespace) -> int:
             raise ValueError("--admin-token-file: the token must be 16 characters or more")
     if args.max_connections is None:
         args.max_connections = descriptor_budget()
-    elif args.max_connections < 0:
-        raise ValueError("--max-connections must be 0 (no limit) or more")
-    if args.body_memory < 0:
-        raise ValueError("--body-memory must be 0 or more (MiB)")
     config = TapConfig(
         listen_host=host,
         listen_port=port,
@@ -576,9 +690,11 @@ def _proxy(args: argparse.Namespace) -> int:
     reason = "stopped"
     try:
         reason = anyio.run(_run_proxy, tap, server, poller, backend_options=loop_options())
-    except OSError as exc:
-        print(f"tracer: cannot listen on {args.listen}: {exc.strerror or exc}", file=sys.stderr)
-        return EXIT_USAGE
+    except BaseException:
+        if writer is not None and not tap.bound:  # it never started: leave nothing behind
+            writer.discard()
+            writer = None
+        raise
     finally:
         if otlp is not None:
             otlp.close()
@@ -614,16 +730,19 @@ async def _run_proxy(tap: Tap, admin: AdminServer | None, poller: Any) -> str:
                     "metadata; changes need the token",
                     admin=where,
                 )
-            print(
-                f"tracer proxy: admin on {where}; token for POST /mark and /faults: "
-                + ("from --admin-token-file" if admin.token_given else admin.token),
-                file=sys.stderr,
+            token = "from --admin-token-file" if admin.token_given else admin.token
+            logs.announce(
+                f"tracer proxy: admin on {where}; token for POST /mark and /faults: {token}",
+                "admin ready",
+                admin=where,
+                token=token,
             )
         await tg.start(tap.serve)
-        print(
+        logs.announce(
             f"tracer proxy: listening on {_fmt(tap.bound)} -> {tap.config.upstream_url}",
-            file=sys.stderr,
-            flush=True,
+            "listening",
+            listen=_fmt(tap.bound),
+            upstream=tap.config.upstream_url,
         )
     return reason
 

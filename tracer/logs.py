@@ -23,10 +23,27 @@ def scrub(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str, Any]:
     return event_dict
 
 
+def tidy(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    """Lines for people at 3 a.m.: no empty fields (``reason=None``), and durations and
+    other floats to the millisecond, not 17 digits."""
+    for key in [k for k, v in event_dict.items() if v is None or v == ""]:
+        del event_dict[key]
+    for key, value in event_dict.items():
+        if isinstance(value, float):
+            event_dict[key] = round(value, 3)
+    return event_dict
+
+
+_json = False  # configure(json=True): every line this process writes to stderr is JSON
+
+
 def configure(*, json: bool = False, level: str = "info", stream: Any = None) -> None:
+    global _json
+    _json = json
     processors: list[Any] = [
         structlog.contextvars.merge_contextvars,
         scrub,
+        tidy,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
@@ -50,3 +67,12 @@ def _factory(stream: Any) -> Any:
     if stream is not None:
         return structlog.PrintLoggerFactory(file=stream)
     return lambda *args: structlog.PrintLogger(sys.stderr)
+
+
+def announce(text: str, event: str, **fields: Any) -> None:
+    """A line the user waits for (``listening on ...``): as written for people, or as one
+    JSON log line (``event`` and ``fields``) under ``--log-json``."""
+    if _json:
+        structlog.get_logger("tracer").info(event, **fields)
+    else:
+        print(text, file=sys.stderr, flush=True)

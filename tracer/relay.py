@@ -59,6 +59,7 @@ from . import __version__, topology
 from . import events as ev
 from .bodies import BodyBudget
 from .capture import CaptureWriter, boot_id
+from .errors import start_error
 from .faults import (
     Action,
     ArmIdle,
@@ -143,13 +144,15 @@ def parse_upstream(url: str) -> tuple[str, int]:
         raise ValueError(f"upstream must be an http:// URL (got {parts.scheme}://)")
     if not parts.hostname:
         raise ValueError(f"upstream URL has no host: {url!r}")
+    if parts.port == 0:
+        raise ValueError(f"upstream URL has port 0: {url!r}")
     return parts.hostname, parts.port or 80
 
 
 def parse_hostport(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"expected HOST:PORT (port 0 to 65535), got {value!r}")
     return (host.strip("[]") or "127.0.0.1"), int(port)
 
 
@@ -337,9 +340,14 @@ class Tap:
         """Listen and relay until cancelled or ``stop()``; ``tg.start`` gets the bound addresses."""
         cfg = self.config
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(
-            lambda: _ClientSide(self), cfg.listen_host, cfg.listen_port, backlog=1024
-        )
+        try:
+            server = await loop.create_server(
+                lambda: _ClientSide(self), cfg.listen_host, cfg.listen_port, backlog=1024
+            )
+        except OSError as exc:
+            raise start_error(
+                f"cannot listen on {cfg.listen_host}:{cfg.listen_port}", exc
+            ) from None
         self.bound = [
             (str(sock.getsockname()[0]), int(sock.getsockname()[1])) for sock in server.sockets
         ]

@@ -59,7 +59,6 @@ SETTLE = 2.0  # at most this long for the tap to record the last closes
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
     parser.add_argument("capture", metavar="CAPTURE", help="a capture of `tracer proxy`")
     parser.add_argument(

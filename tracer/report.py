@@ -50,7 +50,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "example: tracer report front.jsonl back.jsonl -o incident.md --json incident.json\n"
         "writes incident.md, incident-timeline.svg and incident-timeline.png (and the JSON)"
     )
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("captures", nargs="+", metavar="CAPTURE")
     parser.add_argument(
         "-o",
