@@ -463,6 +463,61 @@ class CaptureError(Exception):
     """The file is not a capture this version can read."""
 
 
+_MAGIC = {
+    b"\xd4\xc3\xb2\xa1": "pcap",
+    b"\xa1\xb2\xc3\xd4": "pcap",
+    b"\x4d\x3c\xb2\xa1": "pcap",
+    b"\xa1\xb2\x3c\x4d": "pcap",
+    b"\x0a\x0d\x0d\x0a": "pcapng",
+    b"\x28\xb5\x2f\xfd": "zstd",
+    b"\x1f\x8b": "gzip",
+    b"PK\x03\x04": "zip",
+}
+
+
+def file_kind(path: str | os.PathLike[str]) -> str:
+    """What a file named as a capture is, from its first bytes: ``capture`` (JSON lines,
+    or a ``.zst`` segment), ``pcap``, ``pcapng``, ``missing``, ``directory``, ``empty``,
+    or a few words on what else (``binary data``, ``text``, ``gzip`` ...)."""
+    p = Path(path)
+    try:
+        if p.is_dir():
+            return "directory"
+        with open(p, "rb") as fh:
+            head = fh.read(512)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    if not head:
+        return "empty"
+    for magic, kind in _MAGIC.items():
+        if head.startswith(magic):
+            if kind == "zstd" and p.name.endswith(".zst"):
+                return "capture"
+            return kind if kind.startswith("pcap") else f"{kind}-compressed data"
+    if head.lstrip()[:1] == b"{":
+        return "capture"
+    if b"\0" in head:
+        return "binary data"
+    try:
+        head.decode()
+    except UnicodeDecodeError:
+        return "binary data"
+    return "text"
+
+
+def not_a_capture(path: str | os.PathLike[str], kind: str) -> str:
+    """The one line that says what a file is instead of a capture."""
+    if kind in ("pcap", "pcapng"):
+        return f"{path}: a {kind} file (tcpdump): this tracer does not read packet captures yet"
+    if kind == "missing":
+        return f"{path}: no such file"
+    if kind == "directory":
+        return f"{path}: a folder with no *.jsonl capture in it"
+    return f"{path}: not a tracer capture: {kind}"
+
+
 def read_records(
     path: str | os.PathLike[str], stats: ReadStats | None = None
 ) -> Iterator[dict[str, Any]]:
@@ -552,6 +607,9 @@ def read_into(path: str | os.PathLike[str], feed: Callable[[ev.Event], None]) ->
     """Every event of a capture to ``feed`` (an analysis); a file that cannot be read is
     a ``CaptureError`` naming it."""
     stats = ReadStats()
+    kind = file_kind(path)
+    if kind not in ("capture", "text"):  # text: read on, to count what does not parse
+        raise CaptureError(not_a_capture(path, kind))
     try:
         for event in read_events(path, stats):
             feed(event)

@@ -34,6 +34,7 @@ from .errors import StartError
 from .faults import KINDS, RULE_KEYS, Fault, FaultSpecError, parse_fault
 from .relay import Tap, TapConfig, descriptor_budget, parse_hostport, parse_upstream
 from .render import write_json, write_markdown, write_text
+from .times import parse_time
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
@@ -67,6 +68,7 @@ COMMANDS = {
     "bench": "closed-loop streaming benchmark (tokens/s, TTFT, ITL, TPOT) per concurrency",
     "compare": "compare two bench results per concurrency, with the run-to-run spread",
     "report": "a Markdown incident report with a timeline picture",
+    "info": "what a capture holds: tap, time range, records, losses, a clean end or not",
     "top": "live terminal view of a running tap (through its admin endpoint)",
 }
 
@@ -738,6 +740,7 @@ async def _run_proxy(tap: Tap, admin: AdminServer | None, poller: Any) -> str:
                 token=token,
             )
         await tg.start(tap.serve)
+        tg.start_soon(_check_upstream, tap.config)
         logs.announce(
             f"tracer proxy: listening on {_fmt(tap.bound)} -> {tap.config.upstream_url}",
             "listening",
@@ -745,6 +748,23 @@ async def _run_proxy(tap: Tap, admin: AdminServer | None, poller: Any) -> str:
             upstream=tap.config.upstream_url,
         )
     return reason
+
+
+async def _check_upstream(config: TapConfig) -> None:
+    """One connection to the upstream at start: a warning now if it refuses, rather
+    than a 502 per client later with nobody told why."""
+    try:
+        with anyio.fail_after(config.connect_timeout):
+            stream = await anyio.connect_tcp(config.upstream_host, config.upstream_port)
+        await stream.aclose()
+    except (OSError, TimeoutError) as exc:
+        cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+        why = "timed out" if isinstance(exc, TimeoutError) else (cause.strerror or str(cause))
+        structlog.get_logger("tracer.cli").warning(
+            "upstream does not accept connections now; clients get 502 until it does",
+            upstream=config.upstream_url,
+            error=why,
+        )
 
 
 def loop_options() -> dict[str, Any]:
@@ -825,7 +845,7 @@ def _analyze(args: argparse.Namespace) -> int:
             read_into(path, summary.feed).describe(Path(path).name)
             for path in expand_captures(args.captures)
         ]
-        marks = [parse_time(value, summary.first_t) for value in args.hang_at]
+        marks = [parse_time(v, summary.first_t, summary.last_t) for v in args.hang_at]
         # rows are written one at a time: big captures stay affordable
         result = summary.result(
             captures=captures,
@@ -840,27 +860,3 @@ def _analyze(args: argparse.Namespace) -> int:
         else:
             write_text(result, sys.stdout, limit=args.limit or None)
     return 0
-
-
-def parse_time(value: str, origin: float | None) -> float:
-    """``--hang-at``: ISO 8601, epoch seconds, or ``+SECONDS`` from the capture's start."""
-    from datetime import datetime
-
-    text = value.strip()
-    if text.startswith("+"):
-        if origin is None:
-            raise ValueError(f"--hang-at {value}: the captures have no start time")
-        return origin + float(text[1:])
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    try:
-        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError as exc:
-        raise ValueError(f"--hang-at {value}: not ISO 8601, epoch seconds or +SECONDS") from exc
-    if moment.tzinfo is None:
-        from datetime import UTC
-
-        moment = moment.replace(tzinfo=UTC)
-    return moment.timestamp()

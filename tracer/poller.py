@@ -41,9 +41,12 @@ from typing import Literal
 
 import anyio
 import httpx
+import structlog
 
 from . import __version__, engines
 from . import events as ev
+
+log = structlog.get_logger(__name__)
 
 MAX_BODY = 16 * 1024 * 1024
 
@@ -131,6 +134,7 @@ class EnginePoller:
         self.latest_health: dict[str, ev.HealthSample] = {}
         self.counters = engines.CounterTracker()
         self._loads: dict[str, _Loads] = {}
+        self._ok: dict[str, bool] = {}  # per URL: did its last read succeed (for the log)
 
     # ---- the schedule -----------------------------------------------------------------
 
@@ -193,7 +197,23 @@ class EnginePoller:
         if scope.cancelled_caught:
             error = f"timeout after {timeout:g}s"
         m = time.monotonic()
+        self._say_if_changed(url, status, error)
         return _Fetched(status, body, error, round(m - started, 6), m)
+
+    def _say_if_changed(self, url: str, status: int | None, error: str | None) -> None:
+        """One log line when a URL is first read and whenever it turns bad or good again:
+        a wrong --engine-metrics is seen at start, not only in ``tracer top``."""
+        if error is None and status is not None and status >= 400:
+            error = f"HTTP {status}"
+        ok = error is None
+        if self._ok.get(url) == ok:
+            return
+        first = url not in self._ok
+        self._ok[url] = ok
+        if ok:
+            log.info("engine URL answers" if first else "engine URL answers again", url=url)
+        else:
+            log.warning("engine URL does not answer", url=url, error=error)
 
     def _failed(
         self,

@@ -36,6 +36,7 @@ from anyio.abc import SocketAttribute, SocketStream
 
 from . import events as ev
 from .capture import CaptureWriter
+from .errors import start_error
 from .redact import REDACTED
 from .relay import Tap, TapConfig, parse_upstream
 from .replay_compare import (
@@ -625,6 +626,10 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         print(f"tracer: {_missing_text(args.capture, missing)}", file=sys.stderr)
         return EXIT_INPUT
+    try:  # fail fast: a target that refuses is not a replay that "did not reproduce"
+        socket.create_connection((target_host, target_port), timeout=args.connect_timeout).close()
+    except OSError as exc:
+        raise start_error(f"replay target {args.target} cannot be reached", exc) from None
 
     config = TapConfig(
         listen_host="127.0.0.1",

@@ -42,7 +42,14 @@ from rich.table import Table
 from . import events as ev
 from .analysis import RequestRow, Summary
 from .bodies import decode_body
-from .capture import CaptureError, ReadStats, expand_captures, read_events
+from .capture import (
+    CaptureError,
+    ReadStats,
+    expand_captures,
+    file_kind,
+    not_a_capture,
+    read_events,
+)
 
 SCHEMA = "tracer.replay/1"
 HUNG_SILENCE = 1.0  # seconds of upstream silence before a client gave up: a hang
@@ -137,8 +144,14 @@ def load(path: str | os.PathLike[str]) -> Capture:
     connect_errors: list[str] = []
     kind = "proxy"
     end_m = -math.inf
+    files = expand_captures([path])
+    for name in files or [str(path)]:
+        kind = file_kind(name)
+        if kind not in ("capture", "text"):
+            raise CaptureError(not_a_capture(name, kind))
+    kind = "proxy"
     try:
-        events = (e for seg in expand_captures([path]) for e in read_events(seg, stats))
+        events = (e for seg in files for e in read_events(seg, stats))
         for event in events:
             summary.feed(event)
             end_m = max(end_m, event.m)
@@ -150,7 +163,8 @@ def load(path: str | os.PathLike[str]) -> Capture:
     except OSError as exc:
         raise CaptureError(f"cannot read {path}: {exc.strerror or exc}") from exc
     if stats.version is None:
-        raise CaptureError(f"{path}: not a tracer capture (no capture_start header)")
+        what = f"{stats.bad_lines} unparseable line(s)" if stats.bad_lines else "empty"
+        raise CaptureError(f"{path}: not a tracer capture: no capture_start, {what}")
     if len(taps) > 1:
         raise ValueError(
             f"{path} holds the captures of several taps ({', '.join(sorted(taps))}); "

@@ -31,6 +31,7 @@ from .capture import CaptureError, expand_captures, read_into
 from .engines import progress_delta
 from .findings import Context, Evidence
 from .render import EPOCH, evidence_line
+from .times import parse_time
 
 if TYPE_CHECKING:
     from .timeline import Timeline
@@ -102,10 +103,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write(args: argparse.Namespace, summary: Summary, captures: list[dict[str, Any]]) -> int:
-    from .cli import parse_time
-
     output = Path(args.output)
-    marks = [parse_time(value, summary.first_t) for value in args.hang_at]
+    marks = [parse_time(v, summary.first_t, summary.last_t) for v in args.hang_at]
     svg = output.with_name(f"{output.stem}-timeline.svg")
     png = output.with_name(f"{output.stem}-timeline.png")
     doc, timeline = build(
