@@ -33,6 +33,8 @@ from .rows import ZERO_GAP as ZERO_GAP
 from .rows import ConnectionRow as ConnectionRow
 from .rows import RequestRow as RequestRow
 from .spill import ChunkLog, SortedSpool
+from .times import iso
+from .wording import counted
 
 SCHEMA = "tracer.analysis/4"
 SPILL_ROWS = 4096  # finished rows held in memory before a sorted run goes to disk
@@ -710,7 +712,12 @@ class Summary:
             "schema": SCHEMA,
             "captures": captures or [],
             "taps": [self.taps[k] for k in sorted(self.taps)],
-            "time_range": {"start": self.first_t, "end": self.last_t},
+            "time_range": {
+                "start": self.first_t,
+                "end": self.last_t,
+                "start_iso": iso(self.first_t) if self.first_t is not None else None,
+                "end_iso": iso(self.last_t) if self.last_t is not None else None,
+            },
             "totals": {
                 "events": self.events,
                 "connections": len(conns),
@@ -752,7 +759,7 @@ def _caveats(
     dropped = max(lost, sum(int(t.get("dropped") or 0) for t in taps.values()))
     if dropped:
         text = (
-            f"{dropped} record(s) lost by the capture writer (disk full or too slow): what "
+            f"{counted(dropped, 'record')} lost by the capture writer (disk full or too slow): what "
             "they said is missing from this analysis"
         )
         out.append({"kind": "records_lost", "count": dropped, "text": text})

@@ -60,6 +60,7 @@ from . import __version__
 from . import events as ev
 from .engines import progress_delta
 from .streamclient import Sample, StreamClient, Target
+from .wording import counted
 from .workload import Mix, RequestSpec, capture_mix, synthetic_mix
 
 # The JSON document (``--json OUT``), schema ``tracer.bench/1``. Adding a field keeps the
@@ -541,7 +542,7 @@ def table(doc: dict[str, Any], *, width: int | None = None) -> str:
     runs = doc["options"]["repeats"]
     console.print(
         f"target {doc['target']}  model {doc['model']}  {_describe(doc['workload'])}  "
-        f"{runs} run(s) each of {_budget(doc['options'])}, warm-up excluded; "
+        f"{counted(runs, 'run')} each of {_budget(doc['options'])}, warm-up excluded; "
         "± spread: half the range of output tok/s over the runs"
     )
     return buf.getvalue()

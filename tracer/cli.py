@@ -19,8 +19,7 @@ if TYPE_CHECKING:
     from .admin import AdminServer
 
 from . import __version__, logs
-from .analysis import Summary
-from .capture import CaptureError, CaptureWriter, boot_id, expand_captures, read_into
+from .capture import CaptureError, CaptureWriter, boot_id
 from .cliparse import (
     TracerParser,
     http_url,
@@ -33,8 +32,6 @@ from .cliparse import (
 from .errors import StartError
 from .faults import KINDS, RULE_KEYS, Fault, FaultSpecError, parse_fault
 from .relay import Tap, TapConfig, descriptor_budget, parse_hostport, parse_upstream
-from .render import write_json, write_markdown, write_text
-from .times import parse_time
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
@@ -64,6 +61,7 @@ DEMOS = {
 
 # Commands that live in a module of their own: each has configure(parser) and run(args).
 COMMANDS = {
+    "analyze": "the verdict, findings and tables from captures",
     "replay": "replay a capture against a target (same connections and timing, or fresh)",
     "bench": "closed-loop streaming benchmark (tokens/s, TTFT, ITL, TPOT) per concurrency",
     "compare": "compare two bench results per concurrency, with the run-to-run spread",
@@ -350,44 +348,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     _engine_arguments(wt, required=True)
 
-    an = sub.add_parser("analyze", help="tables (and findings) from captures")
-    an.add_argument(
-        "captures",
-        nargs="+",
-        metavar="CAPTURE",
-        help="capture files of one incident (one per tap; a rotated capture's segments or "
-        "its folder; pcap files are not read yet)",
-    )
-    an.add_argument(
-        "--format",
-        choices=["text", "json", "md"],
-        default="text",
-        help="text for people, json for machines (schema tracer.analysis), md for a document",
-    )
-    an.add_argument(
-        "--limit",
-        type=non_negative_int,
-        default=50,
-        metavar="N",
-        help="rows shown per table in text output, those that went wrong first (0: all; "
-        "default: %(default)s)",
-    )
-    an.add_argument(
-        "--hang-at",
-        action="append",
-        default=[],
-        metavar="TIME",
-        help="the harness was seen hung at about this time (repeatable): "
-        "ISO 8601, epoch seconds, or +SECONDS from the capture's start",
-    )
-    an.add_argument(
-        "--client-facing",
-        action="append",
-        default=[],
-        metavar="TAP",
-        help="this tap's clients are the harness itself (no proxy in front)",
-    )
-
     demo = sub.add_parser(
         "demo",
         help="reproduce the incident (or another scenario) on this machine",
@@ -524,8 +484,6 @@ def _say(text: str) -> None:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "proxy":
         return _proxy(args)
-    if args.command == "analyze":
-        return _analyze(args)
     if args.command == "watch":
         return _watch(args)
     if args.command == "demo":
@@ -837,26 +795,3 @@ def _watch(args: argparse.Namespace) -> int:
 
 def _fmt(bound: list[tuple[str, int]]) -> str:
     return ", ".join(f"{h}:{p}" for h, p in bound)
-
-
-def _analyze(args: argparse.Namespace) -> int:
-    with Summary() as summary:  # (rows spilled to temporary files are released on exit)
-        captures = [
-            read_into(path, summary.feed).describe(Path(path).name)
-            for path in expand_captures(args.captures)
-        ]
-        marks = [parse_time(v, summary.first_t, summary.last_t) for v in args.hang_at]
-        # rows are written one at a time: big captures stay affordable
-        result = summary.result(
-            captures=captures,
-            hang_at=marks,
-            client_facing=args.client_facing,
-            raw_rows=args.format == "json",
-        )
-        if args.format == "json":
-            write_json(result, sys.stdout)
-        elif args.format == "md":
-            write_markdown(result, sys.stdout)
-        else:
-            write_text(result, sys.stdout, limit=args.limit or None)
-    return 0

@@ -6,6 +6,7 @@ import io
 import json
 import math
 import re
+import textwrap
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import fields, is_dataclass
 from itertools import batched
@@ -15,6 +16,9 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
+
+from .times import iso
+from .wording import counted
 
 
 def to_json(result: dict[str, Any]) -> str:
@@ -99,8 +103,7 @@ def _rel(value: float | None, origin: float) -> str:
     return "-" if value is None else f"+{value - origin:.3f}s"
 
 
-def _rel_time(t: float | None, origin: float) -> str:
-    return "-" if t is None else f"+{t - origin:.3f}s"
+_rel_time = _rel
 
 
 # an epoch time quoted in an evidence text (``t=1796008676.953``)
@@ -109,11 +112,12 @@ EPOCH = re.compile(r"\bt=(\d+\.\d+)")
 
 def evidence_line(item: dict[str, Any], rel: Callable[[float], str]) -> str:
     """An evidence item (``tracer.analysis/4``) for a reader: its text, each epoch time
-    quoted in it followed by its offset from the captures' start (``rel``); a text that
-    quotes no time, about an item that has one, after that time's offset."""
+    quoted in it as its offset from the captures' start (``rel``; the absolute start is
+    in the header, once); a text that quotes no time, about an item that has one, after
+    that time's offset."""
     text = str(item["text"])
     if EPOCH.search(text):
-        return EPOCH.sub(lambda m: f"{m.group(0)} ({rel(float(m.group(1)))})", text)
+        return EPOCH.sub(lambda m: rel(float(m.group(1))), text)
     if item.get("t") is not None:
         return f"{rel(float(item['t']))}: {text}"
     return text
@@ -185,10 +189,38 @@ REQUEST_COLUMNS = (
 TABLE_CHUNK = 500  # rows rendered by rich at a time
 
 
+# the tables' columns without --wide: what answers "which one, when, how did it end"
+COMPACT_CONNECTION_COLUMNS = ("conn", "opened", "reqs", "closed by", "how", "in flight")
+COMPACT_REQUEST_COLUMNS = (
+    "request",
+    "start",
+    "request line",
+    "status",
+    "ttfb",
+    "duration",
+    "max gap",
+    "termination",
+    "stalls",
+)
+COMPACT_TARGET = 40  # characters of a request line's target shown without --wide
+
+
 def to_text(result: dict[str, Any], *, width: int = 200) -> str:
     buf = io.StringIO()
-    write_text(result, buf, width=width)
+    write_text(result, buf, width=width, wide=True)
     return buf.getvalue()
+
+
+def header_line(result: dict[str, Any]) -> str | None:
+    """The captures' absolute time range, once: every other time is relative to it."""
+    tr = result.get("time_range") or {}
+    start, end = tr.get("start"), tr.get("end")
+    if start is None or end is None:
+        return None
+    return (
+        f"captures {iso(start)} to {iso(end)} ({end - start:.3f} s); times below are "
+        "seconds from the start (+s)"
+    )
 
 
 def _limited(
@@ -221,15 +253,28 @@ def _connection_troubled(c: dict[str, Any]) -> bool:
 
 
 def write_text(
-    result: dict[str, Any], out: TextIO, *, width: int = 200, limit: int | None = None
+    result: dict[str, Any],
+    out: TextIO,
+    *,
+    width: int = 200,
+    limit: int | None = None,
+    wide: bool = False,
+    brief: bool = False,
 ) -> None:
     """Verdict, findings, totals, then the connections and requests tables, written to
     ``out`` a chunk of rows at a time; with ``limit``, each table shows at most that many
-    rows, those that went wrong first (large captures stay readable and quick)."""
+    rows, those that went wrong first (large captures stay readable and quick). Without
+    ``wide`` the tables keep their essential columns (they fit 100 columns or so), and
+    prose wraps at ``width``; ``brief``: the verdict and findings only."""
     console = _console(out, width)
+    header = header_line(result)
+    for line in [header] if header else []:
+        console.print(line if wide else _wrapped(line, width), markup=False, soft_wrap=True)
     for line in verdict_lines(result):
-        console.print(line, markup=False, soft_wrap=True)
+        console.print(line if wide else _wrapped(line, width), markup=False, soft_wrap=True)
     console.print()
+    if brief:
+        return
     totals = result["totals"]
     origin = result["time_range"]["start"] or 0.0
     taps = ", ".join(t["tap"] for t in result["taps"]) or "-"
@@ -246,7 +291,7 @@ def write_text(
     if lags:
         worst = max(lags, key=lambda lag: lag["max_lag"])
         console.print(
-            f"WARNING: the taps' own event loops ran late {len(lags)} time(s), at worst "
+            f"WARNING: the taps' own event loops ran late {counted(len(lags), 'time')}, at worst "
             f"{worst['max_lag'] * 1000:.0f} ms (tap {worst['tap']}): timing findings there "
             "are notes"
         )
@@ -326,10 +371,50 @@ def write_text(
                 stalls,
             ]
 
-    _write_table(console, "connections", CONNECTION_COLUMNS, connection_cells)
+    if not wide:
+        connection_cells = _columns(
+            connection_cells, CONNECTION_COLUMNS, COMPACT_CONNECTION_COLUMNS
+        )
+        request_cells = _columns(request_cells, REQUEST_COLUMNS, COMPACT_REQUEST_COLUMNS)
+    _write_table(
+        console,
+        "connections",
+        CONNECTION_COLUMNS if wide else COMPACT_CONNECTION_COLUMNS,
+        connection_cells,
+    )
     _more(console, "connections", len(result["connections"]), limit)
-    _write_table(console, "requests", REQUEST_COLUMNS, request_cells)
+    _write_table(
+        console, "requests", REQUEST_COLUMNS if wide else COMPACT_REQUEST_COLUMNS, request_cells
+    )
     _more(console, "requests", len(result["requests"]), limit)
+    if not wide:
+        console.print("(--wide shows every column: peers, bytes, x-request-id, first token ...)")
+
+
+def _wrapped(line: str, width: int) -> str:
+    """A line of prose wrapped at ``width``, its continuation indented under its text."""
+    if len(line) <= width:
+        return line
+    body = line.lstrip()
+    indent = len(line) - len(body) + (2 if body.startswith("- ") else 4)
+    return textwrap.fill(line, width=width, subsequent_indent=" " * indent, break_on_hyphens=False)
+
+
+def _columns(
+    cells: Callable[[], Iterator[list[str]]], have: tuple[str, ...], keep: tuple[str, ...]
+) -> Callable[[], Iterator[list[str]]]:
+    """The rows of ``cells`` with only the columns ``keep`` (a long target cut short)."""
+    index = [have.index(c) for c in keep]
+    target = keep.index("request line") if "request line" in keep else -1
+
+    def rows() -> Iterator[list[str]]:
+        for row in cells():
+            picked = [row[i] for i in index]
+            if target >= 0 and len(picked[target]) > COMPACT_TARGET:
+                picked[target] = picked[target][: COMPACT_TARGET - 1] + "…"
+            yield picked
+
+    return rows
 
 
 def _more(console: Console, what: str, total: int, limit: int | None) -> None:

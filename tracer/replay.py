@@ -51,6 +51,7 @@ from .replay_compare import (
     to_json,
     to_text,
 )
+from .wording import counted
 
 EXIT_INPUT = 3
 READ_SIZE = 65536
@@ -737,7 +738,7 @@ def _missing_text(path: str, missing: list[CapturedRequest]) -> str:
         by_problem.setdefault(req.body_problem or "no body", []).append(req.key)
     parts = [f"{', '.join(keys)}: {problem}" for problem, keys in by_problem.items()]
     return (
-        f"cannot replay {len(missing)} request(s) of {path} without their bodies: "
+        f"cannot replay {counted(len(missing), 'request')} of {path} without their bodies: "
         + "; ".join(parts)
         + ". Capture with `tracer proxy --bodies requests` (the default), or leave them "
         "out with --only"

@@ -32,6 +32,7 @@ from .engines import progress_delta
 from .findings import Context, Evidence
 from .render import EPOCH, evidence_line
 from .times import parse_time
+from .wording import counted
 
 if TYPE_CHECKING:
     from .timeline import Timeline
@@ -527,8 +528,8 @@ class _Clock:
         return "-" if t is None else f"{t - self.origin:+.3f} s"
 
     def quote(self, text: str) -> str:
-        """``t=1796008676.953`` -> ``t=1796008676.953 (+1.629 s)``."""
-        return EPOCH.sub(lambda m: f"{m.group(0)} ({self.rel(float(m.group(1)))})", text)
+        """``t=1796008676.953`` -> ``+1.629 s`` (the absolute start is in the overview)."""
+        return EPOCH.sub(lambda m: self.rel(float(m.group(1))), text)
 
     def evidence(self, item: dict[str, Any]) -> str:
         """An evidence item: its text with its times (``render.evidence_line``)."""
@@ -648,7 +649,10 @@ def _findings_md(doc: dict[str, Any], clock: _Clock) -> list[str]:
             ids = f"{group[0]['id']} … {group[-1]['id']} ({len(group)} findings)"
         out += [f"### {ids}: `{kind}` ({tag})", "", f["summary"], ""]
         if shown >= MD_FINDINGS:
-            out += [f"{len(group)} finding(s) of this kind; the JSON has their evidence.", ""]
+            out += [
+                f"{counted(len(group), 'finding')} of this kind; the JSON has their evidence.",
+                "",
+            ]
             continue
         shown += 1
         if len(group) > 1:
@@ -766,7 +770,7 @@ def _connections_md(doc: dict[str, Any], clock: _Clock) -> list[str]:
         quiet = [c for c in conns if c["first_not_complete"] is None]
         reqs = [c["requests"] for c in quiet] or [0]
         out.append(
-            f"\nShown: {len(shown)} of the {len(troubled)} connection(s) with a request that "
+            f"\nShown: {len(shown)} of the {counted(len(troubled), 'connection')} with a request that "
             f"did not complete. The {len(quiet)} others carried {min(reqs)}-{max(reqs)} "
             "requests each, all complete (the JSON lists every connection)."
         )
@@ -879,7 +883,7 @@ def _chain_md(ov: dict[str, Any]) -> list[str]:
     if lags:
         worst = max(lags, key=lambda lag: lag["max_lag"])
         out += [
-            f"- the taps' own event loops ran late {len(lags)} time(s), at worst "
+            f"- the taps' own event loops ran late {counted(len(lags), 'time')}, at worst "
             f"{worst['max_lag'] * 1000:.0f} ms (tap {worst['tap']}): timing findings there "
             "are notes"
         ]

@@ -8,6 +8,7 @@ stream at the tap behind (which places the hold on the hop between them).
 from __future__ import annotations
 
 from ..rows import RequestRow
+from ..wording import counted
 from .context import Context
 from .join import FIRST_EVENT_PROMPT, Holds
 from .model import EvidenceItem, Finding, RuledOut, finding
@@ -306,7 +307,7 @@ def analyze_reused_first_events(ctx: Context) -> list[Finding]:
             finding(
                 "first_event_held",
                 party,
-                f"On reused connections the first event of {stats.reused_held} stream(s) "
+                f"On reused connections the first event of {counted(stats.reused_held, 'stream')} "
                 f"came about {median} ms after the response head at tap {tap}, on "
                 "fresh ones at once: the hop upstream writes the two separately without "
                 "TCP_NODELAY and the tap's delayed ACK holds the second (the SGLang router "

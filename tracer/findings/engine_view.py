@@ -19,6 +19,7 @@ from typing import Any
 from .. import engines
 from ..rows import RequestRow
 from ..spill import ChunkLog
+from ..wording import counted
 from .model import EvidenceItem
 from .quotes import ts
 
@@ -110,7 +111,7 @@ class EngineView:
         text = (
             f"engine metrics {ts(self.start)} to {ts(self.end)}: running≤{self.running_max}, "
             f"queued≤{self.queued_max}, {progress}{finished} "
-            f"({self.samples} samples from {self.urls} URL(s))"
+            f"({self.samples} samples from {counted(self.urls, 'URL')})"
         )
         if self.router_in_flight is not None:
             text += f"; router in flight≤{self.router_in_flight}"

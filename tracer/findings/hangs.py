@@ -7,6 +7,7 @@ fresh connections that answered meanwhile, and what the tap's upstream is.
 
 from __future__ import annotations
 
+from ..wording import counted as counted_words
 from .context import TOGETHER, Context
 from .model import EvidenceItem, Finding, RuledOut, finding
 from .quotes import (
@@ -44,7 +45,7 @@ def analyze_request_hangs(ctx: Context) -> list[Finding]:
         if example is not None:
             evidence.append(
                 EvidenceItem(
-                    text=f"{fresh} request(s) on fresh connections completed meanwhile "
+                    text=f"{counted_words(fresh, 'request')} on fresh connections completed meanwhile "
                     f"(e.g. {example.id}, {example.duration or 0:.3f} s)",
                     tap=r.tap,
                     request=example.id,
@@ -154,7 +155,7 @@ def analyze_request_hangs(ctx: Context) -> list[Finding]:
                     [
                         *evidence,
                         EvidenceItem(
-                            text=f"{in_flight} request(s) in flight at tap {r.tap} while the "
+                            text=f"{counted_words(in_flight, 'request')} in flight at tap {r.tap} while the "
                             f"engines' live running + queued said {counted}, at most moments "
                             f"from {ts(start)} to {ts(end)}",
                             t=start,

@@ -11,6 +11,7 @@ from collections import defaultdict
 from typing import Any, Literal, NamedTuple
 
 from ..rows import RequestRow
+from ..wording import counted
 from .context import Context
 from .join import JOIN_SLACK
 from .model import EvidenceItem, Finding, RuledOut
@@ -215,8 +216,8 @@ def _injected_note(
     if len(later) > MAX_QUOTED:
         evidence.append(more_item(len(later) - MAX_QUOTED, "such request(s)"))
     summary = (
-        f"Tap {tap} injected `{spec}` itself (opt-in --fault), {len(records)} time(s)"
-        + (f", on {len(ids)} request(s)" if ids else "")
+        f"Tap {tap} injected `{spec}` itself (opt-in --fault), {counted(len(records), 'time')}"
+        + (f", on {counted(len(ids), 'request')}" if ids else "")
         + ": not a fault of the client, a proxy or the engine."
     )
     if read_as:

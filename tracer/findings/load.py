@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..rows import RequestRow
+from ..wording import counted
 from .context import Context
 from .model import EvidenceItem, Finding, RuledOut, finding
 from .quotes import MAX_QUOTED, more_item, req_text, request_item, ts
@@ -50,7 +51,7 @@ def analyze_load(ctx: Context) -> list[Finding]:
             finding(
                 "engine_queueing",
                 "engine",
-                f"{len(rows)} request(s) at tap {tap} waited {median:.2f} s (median; up to "
+                f"{counted(len(rows), 'request')} at tap {tap} waited {median:.2f} s (median; up to "
                 f"{waits[-1]:.2f} s) for their first token because the engine was busy — "
                 "load, not a fault, and not a cold start.",
                 rows,
@@ -84,7 +85,7 @@ def analyze_marks(ctx: Context) -> list[Finding]:
                 figures={"in_flight": in_flight},
             ),
             EvidenceItem(
-                text=f"{before} request(s) before it, "
+                text=f"{counted(before, 'request')} before it, "
                 + ("all delivered completely" if complete else "not all complete"),
                 t=mark,
                 tap=front,

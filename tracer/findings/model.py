@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..rows import RequestRow
+from ..times import iso
 
 
 @dataclass(slots=True, frozen=True)
@@ -92,6 +93,7 @@ class Finding:
             "settle": self.settle,
             "note": self.note,
             "t": self.t,
+            "t_iso": iso(self.t) if self.t is not None else None,
         }
         if self.grouped is not None:
             out["grouped"] = self.grouped

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..wording import counted
 from .client import analyze_client, analyze_client_connections
 from .context import Context, Evidence
 from .delivery import analyze_delivery, analyze_first_events, analyze_reused_first_events
@@ -162,7 +163,7 @@ def find(e: Evidence) -> tuple[list[Finding], dict[str, Any]]:
             "kind": "healthy",
             "summary": "No fault found in the captures."
             + (
-                f" {len(notes)} note(s): {', '.join(sorted({n.kind for n in notes}))}."
+                f" {counted(len(notes), 'note')}: {', '.join(sorted({n.kind for n in notes}))}."
                 if notes
                 else ""
             ),
