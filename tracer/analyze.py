@@ -139,6 +139,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Attrs(dict[str, Any]):
+    """A row object (JSON output keeps rows as they are made) read like a dict."""
+
+    def __init__(self, row: Any) -> None:
+        super().__init__()
+        self.row = row
+
+    def __missing__(self, key: str) -> Any:
+        return getattr(self.row, key)
+
+
+def _fields(row: Any) -> dict[str, Any]:
+    return row if isinstance(row, dict) else _Attrs(row)
+
+
 class RowFilter:
     """Which rows and findings are shown: those within the time window, of the taps,
     connections and requests named (every condition given must hold)."""
@@ -155,7 +170,8 @@ class RowFilter:
         self.taps, self.conns, self.ids = set(taps), set(conns), set(ids)
         self.active = any(x is not None for x in (since, until)) or bool(taps or conns or ids)
 
-    def request(self, r: dict[str, Any]) -> bool:
+    def request(self, row: Any) -> bool:
+        r = _fields(row)
         end = r["start"] + (r["duration"] or 0.0)
         return (
             (self.since is None or end >= self.since or r["duration"] is None)
@@ -165,7 +181,8 @@ class RowFilter:
             and (not self.ids or r["request_id"] in self.ids or r["id"] in self.ids)
         )
 
-    def connection(self, c: dict[str, Any], with_requests: set[str]) -> bool:
+    def connection(self, row: Any, with_requests: set[str]) -> bool:
+        c = _fields(row)
         if self.ids:
             return c["id"] in with_requests
         closed = c["closed"]
@@ -178,10 +195,10 @@ class RowFilter:
 
     def apply(self, result: dict[str, Any]) -> None:
         requests = [r for r in result["requests"] if self.request(r)]
-        kept = {r["id"] for r in requests}
-        conns_of = {r["id"].rsplit("/", 1)[0] for r in requests}
+        kept = {_fields(r)["id"] for r in requests}
+        conns_of = {i.rsplit("/", 1)[0] for i in kept}
         connections = [c for c in result["connections"] if self.connection(c, conns_of)]
-        kept_conns = {c["id"] for c in connections}
+        kept_conns = {_fields(c)["id"] for c in connections}
         result["requests"], result["connections"] = requests, connections
         result["filter"] = self.to_json()
         result["findings"] = [f for f in result["findings"] if self._finding(f, kept, kept_conns)]
