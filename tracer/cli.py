@@ -336,9 +336,23 @@ def _parser() -> argparse.ArgumentParser:
         help="a request head past this is forwarded but not parsed (an anomaly says so)",
     )
 
-    wt = sub.add_parser("watch", help="record engine evidence alone (no proxy)")
+    wt = sub.add_parser(
+        "watch",
+        help="record engine evidence alone (no proxy)",
+        description="Scrape the engines' (and the router's) Prometheus metrics and health "
+        "into a capture, with no tap in the traffic: evidence to analyse beside another "
+        "tap's capture, or alone.",
+        epilog="examples:\n"
+        "  tracer watch --engine-metrics http://127.0.0.1:30000/metrics --capture engine.jsonl\n"
+        "  tracer watch --engine-metrics http://router:29000/metrics \\\n"
+        "               --health http://router:8000/readiness --capture router.jsonl "
+        "--duration 600\n"
+        "  tracer analyze front.jsonl engine.jsonl      (the tap's capture and this one)\n",
+    )
     _capture_arguments(wt, required=True)
-    wt.add_argument("--tap", default="watch", metavar="NAME")
+    wt.add_argument(
+        "--tap", default="watch", metavar="NAME", help="this recorder's name in the capture"
+    )
     wt.add_argument(
         "--duration",
         type=positive_float,
@@ -351,9 +365,15 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         help="reproduce the incident (or another scenario) on this machine",
-        epilog="scenarios:\n" + "\n".join(f"  {name:20} {text}" for name, text in DEMOS.items()),
+        epilog="scenarios:\n"
+        + "\n".join(f"  {name:20} {text}" for name, text in DEMOS.items())
+        + "\n\nexamples:\n"
+        "  tracer demo                                   the incident, its report in demo-out/\n"
+        "  tracer demo --scenario engine-stall --out /tmp/d\n",
     )
-    demo.add_argument("--out", default="demo-out", metavar="DIR")
+    demo.add_argument(
+        "--out", default="demo-out", metavar="DIR", help="where the captures and report go"
+    )
     demo.add_argument(
         "--scenario",
         default="hang-on-reuse",

@@ -27,6 +27,12 @@ EXIT_INPUT = 3
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Declare this command's options."""
+    parser.epilog = (
+        "example:\n"
+        "  tracer bench --target http://127.0.0.1:8000 --concurrency 1,8,64 --json direct.json\n"
+        "  tracer bench --target http://127.0.0.1:8080 --concurrency 1,8,64 --json tapped.json\n"
+        "  tracer compare direct.json tapped.json\n"
+    )
     parser.add_argument("a", metavar="A.json", help="the baseline (tracer bench --json)")
     parser.add_argument("b", metavar="B.json", help="the run to compare with it")
 

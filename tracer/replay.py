@@ -36,6 +36,7 @@ from anyio.abc import SocketAttribute, SocketStream
 
 from . import events as ev
 from .capture import CaptureWriter
+from .cliparse import http_url, positive_float
 from .errors import start_error
 from .redact import REDACTED
 from .relay import Tap, TapConfig, parse_upstream
@@ -64,7 +65,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.add_argument("capture", metavar="CAPTURE", help="a capture of `tracer proxy`")
     parser.add_argument(
-        "--target", required=True, metavar="URL", help="http://HOST:PORT to send the requests to"
+        "--target",
+        required=True,
+        type=http_url,
+        metavar="URL",
+        help="http://HOST:PORT to send the requests to",
     )
     parser.add_argument(
         "--connections",
@@ -75,7 +80,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--speed",
-        type=float,
+        type=positive_float,
         default=1.0,
         metavar="X",
         help="time runs X times faster: offsets, idle gaps and read pacing divided by X",
@@ -83,7 +88,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", action="append", default=[], metavar="KEY=VALUE", help=ONLY_HELP)
     parser.add_argument(
         "--stall-timeout",
-        type=float,
+        type=positive_float,
         default=DEFAULT_STALL_TIMEOUT,
         metavar="SECONDS",
         help="give up on a request after this long with no byte from the target; it is "
@@ -91,14 +96,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=positive_float,
         default=None,
         metavar="SECONDS",
         help="give up on a request this long after it was sent, even while it streams; "
         "reported hung (default: none)",
     )
     parser.add_argument(
-        "--connect-timeout", type=float, default=10.0, metavar="SECONDS", help="(default 10)"
+        "--connect-timeout",
+        type=positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="give up connecting to the target after this long",
     )
     parser.add_argument(
         "--header",
@@ -122,19 +131,39 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="requests",
         help="bodies kept in the replay's capture (default: requests)",
     )
-    parser.add_argument("--format", choices=["text", "json"], default="text")
+    parser.add_argument(
+        "--format", choices=["text", "json"], default="text", help="text for people, or json"
+    )
     parser.add_argument(
         "--engine-metrics",
         action="append",
         default=[],
         metavar="URL",
+        type=http_url,
         help="an engine's or the router's Prometheus /metrics URL (repeatable), scraped "
         "into the replay's capture",
     )
-    parser.add_argument("--metrics-interval", type=float, default=1.0, metavar="SECONDS")
-    parser.add_argument("--metrics-timeout", type=float, default=2.0, metavar="SECONDS")
     parser.add_argument(
-        "--health", action="append", default=[], metavar="URL", help="a health URL to poll"
+        "--metrics-interval",
+        type=positive_float,
+        default=1.0,
+        metavar="SECONDS",
+        help="how often the metrics and health URLs are read",
+    )
+    parser.add_argument(
+        "--metrics-timeout",
+        type=positive_float,
+        default=2.0,
+        metavar="SECONDS",
+        help="a scrape slower than this is recorded as failed",
+    )
+    parser.add_argument(
+        "--health",
+        action="append",
+        default=[],
+        type=http_url,
+        metavar="URL",
+        help="a health URL to poll",
     )
     parser.add_argument(
         "--engine-profile",
@@ -601,12 +630,6 @@ async def _sleep_until(when: float) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.speed <= 0:
-        raise ValueError(f"--speed must be > 0 (got {args.speed:g})")
-    if args.stall_timeout <= 0:
-        raise ValueError(f"--stall-timeout must be > 0 (got {args.stall_timeout:g})")
-    if args.timeout is not None and args.timeout <= 0:
-        raise ValueError(f"--timeout must be > 0 (got {args.timeout:g})")
     target_host, target_port = parse_upstream(args.target)
     headers = [_header(h) for h in args.header]
     selection = parse_only(args.only)

@@ -59,6 +59,12 @@ _KIND_STYLE = {
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Declare this command's options."""
+    parser.epilog = (
+        "examples:\n"
+        "  tracer proxy ... --admin 127.0.0.1:9100     (the tap it watches)\n"
+        "  tracer top --admin 127.0.0.1:9100            live, until q\n"
+        "  tracer top --admin 127.0.0.1:9100 --once     one snapshot as text\n"
+    )
     parser.add_argument(
         "--admin",
         default=DEFAULT_ADMIN,
