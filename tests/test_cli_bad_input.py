@@ -189,6 +189,8 @@ def test_a_port_in_use_is_one_line_and_the_capture_is_not_left_behind(
         capsys,
     )  # fmt: skip
     assert code == RUNTIME and "--admin" in err and not capture.exists()
+    code, err = run(["sim", "engine", "--listen", f"127.0.0.1:{busy_port}"], capsys)
+    assert code == RUNTIME and f"sim engine cannot listen on 127.0.0.1:{busy_port}" in err
 
 
 def test_demo_to_a_folder_it_cannot_make(capsys: pytest.CaptureFixture[str]) -> None:
@@ -231,3 +233,24 @@ def test_no_traceback_from_a_real_process() -> None:
     )  # fmt: skip
     assert done.returncode == USAGE and "Traceback" not in done.stderr
     assert done.stderr.splitlines()[0].startswith("tracer proxy: error: argument --stall-after")
+
+
+def test_every_option_with_a_default_shows_it_in_help() -> None:
+    """--help of every command: each option with a default says what it is."""
+    import argparse
+
+    from tracer.cliparse import HelpFormatter
+
+    def walk(parser: argparse.ArgumentParser, name: str) -> list[str]:
+        missing = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub_name, sub in action.choices.items():
+                    missing += walk(sub, f"{name} {sub_name}")
+            elif action.option_strings and action.default not in (None, False, [], "==SUPPRESS=="):
+                shown = HelpFormatter(name)._get_help_string(action) or ""
+                if not action.help or "default" not in shown:
+                    missing.append(f"{name} {action.option_strings[0]}")
+        return missing
+
+    assert walk(cli._parser(), "tracer") == []

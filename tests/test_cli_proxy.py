@@ -284,7 +284,7 @@ async def test_analyze_is_deterministic_and_reads_a_live_capture(tmp_path: Path)
         )
         outs.append(res.stdout)
     assert outs[0] == outs[1] and outs[2] == outs[3]
-    assert b"requests" in outs[2] and b"r1" in outs[2]
+    assert b"requests" in outs[2] and b"tap/1/2" in outs[2]
 
 
 async def _free_port() -> int:

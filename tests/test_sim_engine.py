@@ -401,14 +401,18 @@ async def test_gauges_lag_like_sglang() -> None:
 
 def test_fault_specs() -> None:
     assert parse_fault("stall:after=3:for=10") == Fault("stall", after=3, seconds=10.0)
-    f = parse_fault("reset:after=0:every=5:from=10")
+    assert parse_fault("stall:3:10") == Fault("stall", after=3, seconds=10.0)
+    f = parse_fault("reset:after=0@every=5,from=10")
     assert f.after == 0 and f.every == 5 and f.start == 10
     assert [n for n in range(1, 31) if f.matches(n)] == [10, 15, 20, 25, 30]
-    assert [n for n in range(1, 5) if parse_fault("lost:nth=2").matches(n)] == [2]
+    assert [n for n in range(1, 5) if parse_fault("lost@nth=2").matches(n)] == [2]
     assert str(parse_fault("wedge:for=2")) == "wedge:after=1:for=2"
-    for bad in ("nope", "stall:after", "stall:after=-1", "stall:x=1", "lost:every=0", "500:for=x"):
+    assert str(f) == "reset:after=0@every=5,from=10"
+    for bad in ("nope", "stall:after", "stall:after=-1", "stall:x=1", "lost@every=0", "500:for=x"):
         with pytest.raises(ValueError):
             parse_fault(bad)
+    with pytest.raises(ValueError, match="nth=2 is a rule: write lost@nth=2"):
+        parse_fault("lost:nth=2")  # the former spelling
 
 
 async def test_fault_stall_keeps_running_with_flat_counters() -> None:
@@ -436,7 +440,7 @@ async def test_fault_stall_keeps_running_with_flat_counters() -> None:
 
 
 async def test_fault_lost_is_neither_running_nor_queued() -> None:
-    async with engine_running(faults=[parse_fault("lost:nth=1")]) as engine:
+    async with engine_running(faults=[parse_fault("lost@nth=1")]) as engine:
         async with httpx.AsyncClient() as client:
             async with await anyio.connect_tcp("127.0.0.1", engine.bound[1]) as s:  # type: ignore[index]
                 await s.send(chat_request(3))
@@ -482,7 +486,7 @@ async def test_fault_cut_mid_stream(kind: str) -> None:
 
 
 async def test_fault_500_and_error_event() -> None:
-    async with engine_running(ttft=0.0, itl=0.001, faults=[parse_fault("500:nth=1")]) as engine:
+    async with engine_running(ttft=0.0, itl=0.001, faults=[parse_fault("500@nth=1")]) as engine:
         async with await anyio.connect_tcp("127.0.0.1", engine.bound[1]) as s:  # type: ignore[index]
             await s.send(chat_request(3))
             data = await recv_until(s, lambda b: b.endswith(b"}"))
@@ -551,7 +555,7 @@ async def test_idle_keepalive_connection_closed_after_configured_seconds() -> No
 
 async def test_engine_command_line_ready_line_and_sigterm() -> None:
     cmd = [sys.executable, "-m", "tracer.sim.cli", "engine", "--listen", "127.0.0.1:0"]
-    cmd += ["--tokens", "3", "--ttft", "0", "--itl", "0.001", "--fault", "500:nth=2"]
+    cmd += ["--tokens", "3", "--ttft", "0", "--itl", "0.001", "--fault", "500@nth=2"]
     process = await anyio.open_process(cmd)
     try:
         assert process.stderr is not None

@@ -41,9 +41,9 @@ async def test_rounds_complete_and_reuse_the_connection() -> None:
 @pytest.mark.parametrize(
     ("spec", "outcome"),
     [
-        ("close:after=2:nth=2", "truncated"),
-        ("error:after=1:nth=2", "error"),
-        ("500:nth=2", "error"),
+        ("close:after=2@nth=2", "truncated"),
+        ("error:after=1@nth=2", "error"),
+        ("500@nth=2", "error"),
     ],
 )
 async def test_a_failed_round_is_reported_and_ends_its_session(spec: str, outcome: str) -> None:
@@ -76,7 +76,7 @@ async def test_harness_cli_prints_the_round_table() -> None:
 
 
 async def test_harness_cli_exits_nonzero_on_a_hung_round() -> None:
-    async with engine_running(ttft=0.0, itl=0.001, faults=[parse_fault("lost:nth=3")]) as engine:
+    async with engine_running(ttft=0.0, itl=0.001, faults=[parse_fault("lost@nth=3")]) as engine:
         code, out = await _harness_cli(engine.url, "--deadline", "1")
         assert engine.lost == 0  # the harness gave up and closed the connection
     assert code == 1, out

@@ -207,3 +207,42 @@ async def test_a_low_descriptor_limit_gives_late_clients_the_taps_503_not_an_eof
             with anyio.fail_after(10):
                 await process.wait()
         tg.cancel_scope.cancel()
+
+
+async def test_a_request_head_left_unfinished_is_closed_after_the_header_timeout(
+    tmp_path: Path,
+) -> None:
+    """Slowloris: a client that sends part of a head and goes quiet is closed by the tap
+    after --header-timeout, both sides; a client idle between requests is not."""
+
+    async def answer(stream: SocketStream, conn: UpConn) -> None:
+        await conn.wait_for(lambda c: b"\r\n\r\n" in c.received or c.eof, timeout=30)
+        if not conn.eof:
+            await stream.send(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await conn.wait_for(lambda c: c.eof or c.reset, timeout=30)
+
+    upstream = RawUpstream(answer)
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(upstream.serve)
+        async with running_tap(port, tmp_path, header_timeout=0.5) as handle:
+            slow = await anyio.connect_tcp("127.0.0.1", handle.port)
+            await slow.send(b"GET /v1/models HTTP/1.1\r\nHost: r\r\nx-a: 1\r\n")  # no end
+            idle = await anyio.connect_tcp("127.0.0.1", handle.port)
+            await idle.send(b"GET /v1/models HTTP/1.1\r\nHost: r\r\n\r\n")
+            got = b""
+            with anyio.fail_after(10):
+                while not got.endswith(b"ok"):
+                    got += await idle.receive()
+            with anyio.fail_after(10):
+                try:
+                    while await slow.receive():
+                        pass
+                except (anyio.EndOfStream, anyio.BrokenResourceError):
+                    pass
+            await wait_until(lambda: handle.tap.stats.header_timeouts == 1)
+            assert handle.tap.stats.connections_open == 1  # the idle keep-alive one stays
+            for s in (slow, idle):
+                await s.aclose()
+        tg.cancel_scope.cancel()
+    closes = [r for r in read_records(handle.capture) if r["type"] == "conn_close"]
+    assert any(r.get("first_closer") == "tracer" or r.get("closed_by") == "tracer" for r in closes)

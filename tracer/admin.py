@@ -107,6 +107,11 @@ class _TapCollector:
             stats.connections_refused,
         )
         yield counter(
+            "tracer_header_timeouts",
+            "Client connections closed because their request head took over --header-timeout.",
+            stats.header_timeouts,
+        )
+        yield counter(
             "tracer_upstream_connect_failures",
             "Upstream connects that failed.",
             stats.upstream_connect_failures,

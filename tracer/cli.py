@@ -266,6 +266,15 @@ def _parser() -> argparse.ArgumentParser:
         help="give up connecting to the upstream after this long (the client gets a 502)",
     )
     px.add_argument(
+        "--header-timeout",
+        type=non_negative_float,
+        default=60.0,
+        metavar="SECONDS",
+        help="close a connection whose request head is not finished this long after its "
+        "first byte (a slowloris client holds two descriptors; nginx's client_header_timeout "
+        "is 60 s too; 0: never)",
+    )
+    px.add_argument(
         "--idle-timeout",
         type=positive_float,
         default=None,
@@ -389,7 +398,7 @@ def _parser() -> argparse.ArgumentParser:
     sim_sub = sim.add_subparsers(dest="sim_command", required=True)
     from .sim import cli as sim_cli
 
-    sim_cli.register(sim_sub)  # type: ignore[arg-type]  # a subclass of ArgumentParser
+    sim_cli.register(sim_sub)
     return p
 
 
@@ -572,6 +581,8 @@ def open_capture(path: str, tap: str, args: argparse.Namespace) -> CaptureWriter
             compress=args.capture_compress,
         )
     except FileExistsError as exc:
+        if Path(path).is_symlink():  # O_EXCL refuses a link, even to nothing
+            raise ValueError(f"capture {path} is a symbolic link: not followed") from None
         if append:
             raise ValueError(f"capture {exc}") from None
         raise ValueError(
@@ -614,6 +625,7 @@ def _proxy(args: argparse.Namespace) -> int:
         stall_after=args.stall_after,
         connect_timeout=args.connect_timeout,
         idle_timeout=args.idle_timeout,
+        header_timeout=args.header_timeout or None,
         bodies=args.bodies,
         body_memory=int(args.body_memory * 1024 * 1024),
         max_connections=args.max_connections,
@@ -718,7 +730,6 @@ async def _run_proxy(tap: Tap, admin: AdminServer | None, poller: Any) -> str:
                 token=token,
             )
         await tg.start(tap.serve)
-        tg.start_soon(_check_upstream, tap.config)
         logs.announce(
             f"tracer proxy: listening on {_fmt(tap.bound)} -> {tap.config.upstream_url}",
             "listening",
@@ -726,23 +737,6 @@ async def _run_proxy(tap: Tap, admin: AdminServer | None, poller: Any) -> str:
             upstream=tap.config.upstream_url,
         )
     return reason
-
-
-async def _check_upstream(config: TapConfig) -> None:
-    """One connection to the upstream at start: a warning now if it refuses, rather
-    than a 502 per client later with nobody told why."""
-    try:
-        with anyio.fail_after(config.connect_timeout):
-            stream = await anyio.connect_tcp(config.upstream_host, config.upstream_port)
-        await stream.aclose()
-    except (OSError, TimeoutError) as exc:
-        cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
-        why = "timed out" if isinstance(exc, TimeoutError) else (cause.strerror or str(cause))
-        structlog.get_logger("tracer.cli").warning(
-            "upstream does not accept connections now; clients get 502 until it does",
-            upstream=config.upstream_url,
-            error=why,
-        )
 
 
 def loop_options() -> dict[str, Any]:

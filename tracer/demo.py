@@ -249,7 +249,7 @@ async def replay_differential(d: Demo, capture: Path, target: str) -> None:
 
 async def engine_stall(d: Demo) -> list[Path]:
     """The engine holds a request running and stops producing its tokens mid-stream."""
-    fault = "stall:after=3:for=8:nth=3"
+    fault = "stall:after=3:for=8@nth=3"
     e1 = await d.engine("engine-1", "--ttft", "0.02", "--itl", "0.004", "--fault", fault)
     d.step(f"engine {e1.url} (--fault {fault}: the 3rd request stops after 3 tokens for 8 s)")
     cap = d.out / "tap.jsonl"

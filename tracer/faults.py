@@ -14,6 +14,8 @@ injected fault for an external one.
 * **Specs** (``parse_fault``): ``NAME[:ARG...][@RULE,...]``, e.g. ``hang-on-reuse:3``,
   ``stall-after-events:5:10@path=/v1/chat/*``, ``status:503@every=4``,
   ``drop-request@prob=0.1,seed=7``. ``KINDS`` lists the faults, ``RULE_KEYS`` the rules.
+  The spelling (and its errors) is ``faultspec``'s, the same as the sim engine's faults;
+  ``docs/faults.md`` documents both.
 * **Plan** (``FaultPlan``): the faults of one tap and their counters (``every``, ``prob``
   with its seeded generator, ``times``), shared by all its connections. ``decide`` is
   called once per request head, in arrival order, and is deterministic for a given
@@ -48,7 +50,6 @@ Rules:
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import json
 import math
@@ -61,6 +62,17 @@ from http import HTTPStatus
 from typing import Literal
 from urllib.parse import urlsplit
 
+from .faultspec import FaultSpecError as FaultSpecError  # (re-exported: callers catch it)
+from .faultspec import (
+    Spec,
+    counter_rules,
+    fail,
+    positional,
+    rule_keys,
+    split_spec,
+    to_int,
+    to_seconds,
+)
 from .framing import (
     MAX_CHUNK_LINE,
     MAX_TRAILERS,
@@ -77,10 +89,6 @@ BUFFER_LIMIT = 16 * 1024 * 1024
 
 Acts = Literal["request", "response", "idle"]
 Close = Literal["fin", "reset"]
-
-
-class FaultSpecError(ValueError):
-    """A fault spec that does not parse; the message says what is wrong and how to write it."""
 
 
 # ---- specs ---------------------------------------------------------------------------
@@ -182,18 +190,7 @@ KINDS: dict[str, Kind] = {
     )
 }
 
-RULE_KEYS: dict[str, str] = {
-    "path": "path=PREFIX or path=GLOB (*, ?, [..]; * also matches /): the request path",
-    "method": "method=POST: the request method",
-    "header": "header=NAME or header=NAME:GLOB: the request carries that header (with a "
-    "value the glob matches; no commas in it)",
-    "pos": "pos=N or pos=N+: the N-th request on its connection (N+: N and later)",
-    "reuse": "reuse: any keep-alive reuse (pos >= 2); reuse=N: the same as pos=N, N >= 2",
-    "every": "every=N: every N-th request the other conditions match (N, 2N, ...)",
-    "prob": "prob=P: with probability P (0..1), drawn from a generator seeded by seed",
-    "seed": "seed=S: the seed of prob (default 0: the same draws every run)",
-    "times": "times=N: at most N injections",
-}
+RULE_KEYS: dict[str, str] = rule_keys("proxy")  # the tap's rules (faultspec.RULES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,21 +257,14 @@ class Fault:
 
 
 def parse_fault(text: str) -> Fault:
-    """``NAME[:ARG...][@RULE,...]`` to a ``Fault``; raises ``FaultSpecError``."""
-    spec = text.strip()
-    if not spec:
-        raise FaultSpecError(f"empty fault spec; faults: {', '.join(KINDS)}")
-    head, at, rules = spec.partition("@")
-    name, *args = (part.strip() for part in head.split(":"))
-    name = name.lower()
-    kind = KINDS.get(name)
-    if kind is None:
-        near = difflib.get_close_matches(name, KINDS, n=1)
-        hint = f" (did you mean {near[0]}?)" if near else ""
-        raise FaultSpecError(f"{spec!r}: unknown fault {name!r}{hint}; faults: {', '.join(KINDS)}")
-    rule = _parse_rule(spec, rules) if at else Rule()
+    """``NAME[:ARG...][@RULE,...]`` to a ``Fault``; raises ``FaultSpecError``.
+
+    The spelling is ``faultspec``'s, shared with the sim engine's faults."""
+    parts = split_spec(text, KINDS, "proxy", bare=("reuse",))
+    spec, name, args = parts.text, parts.name, parts.args
+    kind = KINDS[name]
+    rule = _parse_rule(parts) if parts.at else Rule()
     fault = Fault(name=name, spec=spec, rule=rule)
-    usage = f"{spec!r}: {name} is written {kind.usage}"
     n_min, n_max = {
         "hang-on-reuse": (1, 1),
         "status": (1, 1),
@@ -284,123 +274,88 @@ def parse_fault(text: str) -> Fault:
         "truncate-after-events": (1, 2),
         "close-idle-after": (1, 1),
     }.get(name, (0, 0))
-    if not n_min <= len(args) <= n_max:
-        raise FaultSpecError(usage)
+    positional(parts, n_min, n_max, kind.usage)
     if name == "hang-on-reuse":
         if rule.pos is not None or rule.reuse:
-            raise FaultSpecError(
-                f"{spec!r}: hang-on-reuse:N sets the position itself (no pos/reuse)"
+            raise fail(
+                spec, "pos/reuse with hang-on-reuse", "hang-on-reuse:N sets the position itself"
             )
-        n = _int(spec, "N", args[0], 2)
+        n = to_int(spec, "N", args[0], 2)
         return replace(fault, count=n, rule=replace(rule, pos=n))
     if name == "status":
-        code = _int(spec, "CODE", args[0], 400)
+        code = to_int(spec, "CODE", args[0], 400)
         if code > 599:
-            raise FaultSpecError(f"{spec!r}: CODE must be an HTTP error status (400-599)")
+            raise fail(spec, "CODE must be an HTTP error status (400-599)")
         return replace(fault, status=code)
     if name == "delay-first-byte":
-        return replace(fault, seconds=_seconds(spec, "S", args[0], finite=True))
+        return replace(fault, seconds=to_seconds(spec, "S", args[0], finite=True))
     if name in ("close-idle-after", "coalesce"):
-        seconds = _seconds(spec, "S", args[0], finite=True)
+        seconds = to_seconds(spec, "S", args[0], finite=True)
         if seconds <= 0:
-            raise FaultSpecError(f"{spec!r}: S must be more than 0 seconds")
+            raise fail(spec, f"S must be more than 0 seconds (got {args[0]!r})")
         return replace(fault, seconds=seconds)
     if name == "stall-after-events":
-        count = _int(spec, "K", args[0], 0)
-        return replace(fault, count=count, seconds=_seconds(spec, "S", args[1], finite=False))
+        count = to_int(spec, "K", args[0], 0)
+        return replace(fault, count=count, seconds=to_seconds(spec, "S", args[1], finite=False))
     if name == "truncate-after-events":
-        count = _int(spec, "K", args[0], 0)
+        count = to_int(spec, "K", args[0], 0)
         how = args[1].lower() if len(args) == 2 else "fin"
         if how not in ("fin", "reset"):
-            raise FaultSpecError(f"{spec!r}: the close is fin or reset, not {args[1]!r}")
+            raise fail(spec, f"the close is fin or reset, not {args[1]!r}")
         return replace(fault, count=count, how="reset" if how == "reset" else "fin")
     return fault
 
 
-def _parse_rule(spec: str, text: str) -> Rule:
+def _parse_rule(parts: Spec) -> Rule:
+    """The values of the tap's rules (the keys are checked by ``split_spec``)."""
+    spec = parts.text
     rule = Rule()
-    seen: set[str] = set()
-    if not text.strip():
-        raise FaultSpecError(f"{spec!r}: nothing after '@' (rules: {', '.join(RULE_KEYS)})")
-    for part in text.split(","):
-        key, eq, value = (s.strip() for s in part.partition("="))
-        key = key.lower()
-        if key not in RULE_KEYS:
-            near = difflib.get_close_matches(key, RULE_KEYS, n=1)
-            hint = f" (did you mean {near[0]}?)" if near else ""
-            raise FaultSpecError(
-                f"{spec!r}: unknown rule {key!r}{hint}; rules: {', '.join(RULE_KEYS)}"
-            )
-        if key in seen or (key in ("pos", "reuse") and seen & {"pos", "reuse"}):
-            raise FaultSpecError(f"{spec!r}: {key!r} given twice (or pos with reuse)")
-        seen.add(key)
-        if key == "reuse" and not eq:
+    keys = {key for key, _ in parts.rules}
+    if {"pos", "reuse"} <= keys:
+        raise fail(
+            spec,
+            "the position given twice (or pos with reuse)",
+            "pos and reuse both set it: give one",
+        )
+    counters = counter_rules(parts)
+    for key, value in parts.rules:
+        if value is None:  # a bare key: reuse
             rule = replace(rule, reuse=True)
-            continue
-        if not value:
-            raise FaultSpecError(f"{spec!r}: {RULE_KEYS[key]}")
-        if key == "path":
+        elif key == "path":
             if not value.startswith(("/", "*")):
-                raise FaultSpecError(f"{spec!r}: path must start with / or * (got {value!r})")
+                raise fail(spec, f"path must start with / or * (got {value!r})")
             rule = replace(rule, path=value)
         elif key == "header":
             name, colon, glob = value.partition(":")
             if not _TOKEN.fullmatch(name) or (colon and not glob):
-                raise FaultSpecError(
-                    f"{spec!r}: header=NAME or header=NAME:GLOB, NAME a header name (got {value!r})"
+                raise fail(
+                    spec, f"header=NAME or header=NAME:GLOB, NAME a header name (got {value!r})"
                 )
             rule = replace(rule, header=name.lower().encode(), header_value=glob or None)
         elif key == "method":
             if not re.fullmatch(r"[A-Za-z]+", value):
-                raise FaultSpecError(f"{spec!r}: method must be a word like POST (got {value!r})")
+                raise fail(spec, f"method must be a word like POST (got {value!r})")
             rule = replace(rule, method=value.upper())
         elif key == "reuse":
-            rule = replace(rule, pos=_int(spec, "reuse", value, 2))
+            rule = replace(rule, pos=to_int(spec, "reuse", value, 2))
         elif key == "pos":
             later = value.endswith("+")
-            rule = replace(rule, pos=_int(spec, "pos", value.removesuffix("+"), 1))
+            rule = replace(rule, pos=to_int(spec, "pos", value.removesuffix("+"), 1))
             rule = replace(rule, pos_and_later=later)
-        elif key == "every":
-            rule = replace(rule, every=_int(spec, "every", value, 1))
-        elif key == "times":
-            rule = replace(rule, times=_int(spec, "times", value, 1))
-        elif key == "seed":
-            rule = replace(rule, seed=_int(spec, "seed", value, 0))
-        else:  # prob
-            try:
-                prob = float(value)
-            except ValueError:
-                prob = math.nan
-            if not 0.0 <= prob <= 1.0:
-                raise FaultSpecError(f"{spec!r}: prob must be a number from 0 to 1 (got {value!r})")
-            rule = replace(rule, prob=prob)
-    if "seed" in seen and "prob" not in seen:
-        raise FaultSpecError(f"{spec!r}: seed is the seed of prob; give prob too")
-    return rule
+    return replace(
+        rule,
+        every=_opt_int(counters.get("every")),
+        times=_opt_int(counters.get("times")),
+        seed=int(counters.get("seed", 0)),
+        prob=None if "prob" not in counters else float(counters["prob"]),
+    )
+
+
+def _opt_int(value: float | None) -> int | None:
+    return None if value is None else int(value)
 
 
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # a header name (RFC 9110 token)
-
-
-def _int(spec: str, what: str, value: str, least: int) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = least - 1
-    if number < least:
-        raise FaultSpecError(f"{spec!r}: {what} must be an integer >= {least} (got {value!r})")
-    return number
-
-
-def _seconds(spec: str, what: str, value: str, *, finite: bool) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if math.isnan(seconds) or seconds < 0 or (finite and math.isinf(seconds)):
-        more = "" if finite else ", or inf"
-        raise FaultSpecError(f"{spec!r}: {what} must be seconds >= 0{more} (got {value!r})")
-    return seconds
 
 
 # ---- decisions -----------------------------------------------------------------------

@@ -115,6 +115,8 @@ class TapConfig:
     stall_after: float = 5.0
     connect_timeout: float = 10.0
     idle_timeout: float | None = None  # close idle keep-alive connections; None: never
+    # a request head unfinished this long closes the connection (slowloris; None: never)
+    header_timeout: float | None = 60.0
     bodies: Bodies = "requests"
     max_header_bytes: int = 64 * 1024
     max_body_keep: int = 16 * 1024 * 1024
@@ -161,6 +163,7 @@ class TapStats:
     connections_total: int = 0
     connections_open: int = 0
     connections_refused: int = 0  # over --max-connections: answered 503 by the tap
+    header_timeouts: int = 0  # connections closed: their request head took too long
     requests_total: int = 0
     upstream_connect_failures: int = 0
     anomalies: int = 0
@@ -325,6 +328,7 @@ class Tap:
                 "stall_after": cfg.stall_after,
                 "bodies": cfg.bodies,
                 "idle_timeout": cfg.idle_timeout,
+                "header_timeout": cfg.header_timeout,
                 "connect_timeout": cfg.connect_timeout,
                 **extra,
             },
@@ -428,6 +432,13 @@ class Tap:
                 elapsed=elapsed,
             )
         )
+        refused = [e for e in verdict.evidence if "connect failed" in e]
+        if refused:  # the fingerprint was the start-up check of the upstream
+            log.warning(
+                "upstream does not accept connections now; clients get 502 until it does",
+                upstream=cfg.upstream_url,
+                error=refused[0],
+            )
         log.info(
             "upstream topology",
             role=verdict.role,
@@ -499,7 +510,8 @@ class Tap:
         log.warning("the tap's event loop ran late", max_lag=event.max_lag, late_ticks=late_ticks)
 
     def _tick(self, now: float, stall_after: float, idle_timeout: float | None) -> None:
-        """The stall and idle checks of every live connection, once a tick."""
+        """The stall, idle and header-timeout checks of every live connection, once a tick."""
+        header_timeout = self.config.header_timeout
         for relay in list(self.live.values()):
             obs = relay.obs
             obs.flush(now)
@@ -516,6 +528,10 @@ class Tap:
                     log.exception("observer tick failed", conn=relay.id)
             elif idle_timeout is not None and not obs.in_flight and silent >= idle_timeout:
                 relay.close_by_tracer("idle timeout")
+            started = obs.head_started_m
+            if started is not None and header_timeout and now - started >= header_timeout:
+                self.stats.header_timeouts += 1
+                relay.close_by_tracer("request head not finished within --header-timeout")
 
     # ---- guarded observation ------------------------------------------------------
 

@@ -197,6 +197,9 @@ class ConnectionObserver:
         self._held: bytes | None = None  # client bytes behind an undecided protocol switch
         self._head_lines = 0  # lines of the request head being read (-1: it was parsed)
         self._head_tail = b""  # its last 3 bytes (a CRLFCRLF may span two reads)
+        # when the first bytes of a request head still unfinished came (the tap's
+        # --header-timeout closes a connection whose head takes longer: slowloris)
+        self.head_started_m: float | None = None
         self._deferred: tuple[Exception, float, int] | None = None  # client parse failure
         self._head: h11.Connection | None = None  # parses the head of the next response
         self._body: BodyDecoder | None = None  # finds the end of the current body
@@ -386,6 +389,7 @@ class ConnectionObserver:
                         h11.SERVER, max_incomplete_event_size=self._max_header
                     )
                     self._head_lines, self._head_tail = 0, b""
+                    self.head_started_m = m
                 if self._head_lines >= 0:  # the head's lines only, not the body's after it
                     self._count_head_lines(data)
                     if self._head_lines > MAX_HEADER_LINES:
@@ -450,6 +454,7 @@ class ConnectionObserver:
 
     def _on_request(self, event: h11.Request, m: float) -> None:
         self._head_lines = -1  # the head is parsed: its body's newlines are not counted
+        self.head_started_m = None
         size = len(event.method) + len(event.target) + 14  # "M T HTTP/1.1\r\n" + "\r\n"
         size += sum(len(name) + len(value) + 4 for name, value in event.headers.raw_items())
         if size > self._max_header:
@@ -858,6 +863,7 @@ class ConnectionObserver:
         if self.blind:
             return
         self.blind = True
+        self.head_started_m = None  # not HTTP (or no longer read): no head to wait for
         if direction == "client":
             seq = None if self._receiving is None else self._receiving.seq
             offset = self._client_offset() if offset is None else offset

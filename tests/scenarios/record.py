@@ -277,7 +277,7 @@ async def busy_at_capacity(lab: Lab) -> None:
 async def wedged_engine(lab: Lab) -> None:
     """The scheduler stops (``wedge``: gauges and counters frozen) while 3 streams run; a
     4th request arrives during the wedge; every client gives up after 5 s."""
-    fault = "wedge:after=5:for=20:nth=2"
+    fault = "wedge:after=5:for=20@nth=2"
     engine = await lab.engine("--ttft", "0.05", "--itl", "0.05", "--fault", fault)
     url = await lab.tap("tap", engine, "--engine-metrics", f"{engine}/metrics", *FAST, *PROBES)
     async with anyio.create_task_group() as tg:
@@ -294,16 +294,16 @@ async def wedged_engine(lab: Lab) -> None:
 
 
 async def lost_at_engine(lab: Lab) -> None:
-    """The engine reads its 5th request and never answers it (``lost:nth=5``); the other
+    """The engine reads its 5th request and never answers it (``lost@nth=5``); the other
     sessions go on being answered meanwhile. The tap is right in front of the engine."""
-    engine = await lab.engine("--ttft", "0.02", "--itl", "0.02", "--fault", "lost:nth=5")
+    engine = await lab.engine("--ttft", "0.02", "--itl", "0.02", "--fault", "lost@nth=5")
     url = await lab.tap("tap", engine, "--engine-metrics", f"{engine}/metrics", *FAST, *PROBES)
     await lab.harness(url, sessions=3, rounds=4, think=0.3, max_tokens=20, deadline=3)
     await anyio.sleep(0.5)
 
 
 async def _lost_behind_router(lab: Lab, router_metrics: bool) -> None:
-    engine = await lab.engine("--ttft", "0.02", "--itl", "0.02", "--fault", "lost:nth=5")
+    engine = await lab.engine("--ttft", "0.02", "--itl", "0.02", "--fault", "lost@nth=5")
     router, prom = await lab.smg(engine)
     evidence = ["--engine-metrics", f"{engine}/metrics"]
     if router_metrics:

@@ -10,26 +10,30 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from typing import Any
 
 import anyio
 
 ENGINE_EPILOG = """\
-faults (--fault, repeatable; the first rule that matches a request wins):
-  KIND[:key=value]...   KIND is one of
-    stall   after=N tokens the request gets nothing for for=S seconds (still running)
-    wedge   after=N tokens the whole scheduler stops for for=S seconds
-    lost    read the request, never answer (neither running nor queued)
-    close   after=N content chunks close the connection (FIN), no terminating chunk
-    reset   the same with RST
-    500     HTTP 500 before any stream
-    error   after=N chunks: data: {"error": ...}, then data: [DONE]
-  selectors on the completion counter (1, 2, 3 ...): every=N, nth=K, from=K
-  defaults: after=1, for=30; no selector = every request
-  a request can choose its own with the header  x-sim-fault: SPEC  (or: none)
+faults (--fault SPEC, repeatable; the first fault whose rules match a completion wins).
+SPEC is NAME[:ARG...][@RULE,...], the spelling of tracer proxy --fault (docs/faults.md);
+the arguments are named (after=N, for=S) and may be given by position (stall:3:10):
+    stall[:after=N][:for=S]   after N tokens the request gets nothing for S seconds (running)
+    wedge[:after=N][:for=S]   after N tokens the whole scheduler stops for S seconds
+    lost                      read the request, never answer (neither running nor queued)
+    close[:after=N]           after N content chunks close the connection (FIN), no end chunk
+    reset[:after=N]           the same with RST
+    500                       HTTP 500 before any stream
+    error[:after=N]           after N chunks: data: {"error": ...}, then data: [DONE]
+  defaults: after=1, for=30
+  rules after @, joined by commas, on the completion counter (1, 2, 3 ...; none: every one):
+    every=N (N, 2N, ...), nth=K (K only), from=K (K and later), times=N (at most N
+    injections), prob=P[,seed=S] (drawn from a generator seeded by S, default 0)
+  a request can choose its own with the header  x-sim-fault: SPEC  (no rules; or: none)
 
 examples:
-  tracer sim engine --listen 127.0.0.1:30000 --max-running 8 --fault stall:after=3:for=10:every=5
-  tracer sim engine --engine-type decode --fault lost:nth=2 --fault reset:after=2:from=10
+  tracer sim engine --listen 127.0.0.1:30000 --max-running 8 --fault stall:after=3:for=10@every=5
+  tracer sim engine --engine-type decode --fault lost@nth=2 --fault reset:after=2@from=10
 
 playback (--from CAPTURE): answer with a capture's responses and their pacing
   requests are matched by method, target and body SHA-256; one fingerprint captured
@@ -55,23 +59,28 @@ def _hostport(value: str) -> tuple[str, int]:
 
 
 def _fault(value: str) -> object:
-    from .engine import parse_fault
+    from .engine import FaultSpecError, parse_fault
 
     try:
         return parse_fault(value)
-    except ValueError as exc:
+    except FaultSpecError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(sub: argparse._SubParsersAction[Any]) -> None:
     se = sub.add_parser(
         "engine",
         help="a simulated SGLang engine (OpenAI API, batch scheduler, SGLang metrics)",
         epilog=ENGINE_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     se.set_defaults(sim_action="engine")
-    se.add_argument("--listen", default="127.0.0.1:30000", type=_hostport, metavar="HOST:PORT")
+    se.add_argument(
+        "--listen",
+        default="127.0.0.1:30000",
+        type=_hostport,
+        metavar="HOST:PORT",
+        help="where it serves the OpenAI API, /metrics and /health",
+    )
     se.add_argument("--model", default="sim-model", help="served model name")
     se.add_argument(
         "--tokens", type=int, default=16, help="output tokens when a request has no max_tokens"
@@ -118,7 +127,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="gauge refresh while idle (SGLang: 30)",
     )
     se.add_argument("--max-total-tokens", type=int, default=262144, help="KV pool, for token_usage")
-    se.add_argument("--context-length", type=int, default=32768)
+    se.add_argument(
+        "--context-length", type=int, default=32768, help="the model's, as /v1/models says"
+    )
     se.add_argument(
         "--engine-type",
         choices=["unified", "prefill", "decode"],
@@ -135,14 +146,25 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     se.add_argument(
         "--startup", type=float, default=0.0, metavar="SECONDS", help="/health is 503 this long"
     )
-    se.add_argument("--health-timeout", type=float, default=20.0, metavar="SECONDS")
+    se.add_argument(
+        "--health-timeout",
+        type=float,
+        default=20.0,
+        metavar="SECONDS",
+        help="a /health that takes longer than this is a 503 (as SGLang's)",
+    )
     se.add_argument(
         "--early-headers",
         action="store_true",
         help="send the response head at once (vLLM) instead of with the first token (SGLang)",
     )
     se.add_argument(
-        "--fault", action="append", type=_fault, default=[], metavar="SPEC", help="see below"
+        "--fault",
+        action="append",
+        type=_fault,
+        default=[],
+        metavar="SPEC",
+        help="NAME[:ARG...][@RULE,...], e.g. stall:after=3:for=10@every=5 (see below)",
     )
     se.add_argument(
         "--from",
@@ -168,11 +190,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="a multi-round streaming agent harness (openai SDK)",
         description="S sessions x R rounds of streaming chat completions; prints one line "
         "per round and exits 1 if any round did not complete.",
+        epilog="example:\n  tracer sim harness --target http://127.0.0.1:8080 --sessions 4 "
+        "--rounds 5\n",
     )
     sh.set_defaults(sim_action="harness")
     sh.add_argument("--target", required=True, metavar="URL", help="http://HOST:PORT")
-    sh.add_argument("--sessions", type=int, default=2)
-    sh.add_argument("--rounds", type=int, default=3)
+    sh.add_argument("--sessions", type=int, default=2, help="agent sessions at once")
+    sh.add_argument("--rounds", type=int, default=3, help="turns of each session")
     sh.add_argument(
         "--think", type=float, default=0.2, metavar="SECONDS", help="idle gap between rounds"
     )
@@ -183,8 +207,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="SECONDS",
         help="a round not complete by then is hung",
     )
-    sh.add_argument("--max-tokens", type=int, default=8)
-    sh.add_argument("--model", default="sim-model")
+    sh.add_argument("--max-tokens", type=int, default=8, help="max_tokens of each request")
+    sh.add_argument("--model", default="sim-model", help="the model name sent")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -302,7 +326,9 @@ def _harness(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tracer sim")
+    from ..cliparse import TracerParser
+
+    parser = TracerParser(prog="tracer sim", top=True)
     register(parser.add_subparsers(dest="sim_command", required=True))
     args = parser.parse_args(argv)
     try:

@@ -26,33 +26,42 @@ token comes that long after admission, outside the prefill batch), ``x-sim-itl``
 request's own token gap; at least one decode step), ``x-sim-fault`` (a fault spec, below,
 or ``none``).
 
-Faults (``parse_fault``), one spec ``KIND[:key=value]...``:
+Faults (``parse_fault``): ``NAME[:ARG...][@RULE,...]``, the spelling of ``tracer proxy
+--fault`` (``faultspec``; ``docs/faults.md``). The arguments are named and may be given by
+position too (``stall:after=3:for=10`` = ``stall:3:10``):
 
-=========  ==========================================================================
-``stall``  after ``after`` tokens (default 1) the request gets no tokens for ``for``
-           seconds (default 30); it stays in the running batch, other requests go on
-``wedge``  after ``after`` tokens the whole scheduler stops for ``for`` seconds: no
-           tokens for anyone, gauges and counters frozen, ``/v1/loads`` waits
-``lost``   the request is read and never answered; it is neither running nor queued
-``close``  after ``after`` content chunks (0: right after the response head) the
-           connection is closed with FIN, without the terminating chunk
-``reset``  the same with RST
-``500``    HTTP 500 with SGLang's JSON error body, before any stream
-``error``  after ``after`` content chunks, ``data: {"error": {...}}``, ``data: [DONE]``
-           and a clean end of the chunked body (SGLang's abort)
-=========  ==========================================================================
+=========================  =============================================================
+``stall[:after][:for]``    after ``after`` tokens (default 1) the request gets no tokens
+                           for ``for`` seconds (default 30); it stays in the running
+                           batch, other requests go on
+``wedge[:after][:for]``    after ``after`` tokens the whole scheduler stops for ``for``
+                           seconds: no tokens for anyone, gauges and counters frozen,
+                           ``/v1/loads`` waits
+``lost``                   the request is read and never answered; it is neither running
+                           nor queued
+``close[:after]``          after ``after`` content chunks (0: right after the response
+                           head) the connection is closed with FIN, without the
+                           terminating chunk
+``reset[:after]``          the same with RST
+``500``                    HTTP 500 with SGLang's JSON error body, before any stream
+``error[:after]``          after ``after`` content chunks, ``data: {"error": {...}}``,
+                           ``data: [DONE]`` and a clean end of the chunked body
+                           (SGLang's abort)
+=========================  =============================================================
 
-Command-line rules add a selector on the engine's completion counter (1, 2, 3 ...):
-``every=N`` (requests N, 2N, ...), ``nth=K`` (request K only), ``from=K`` (K and later);
-none means every request. The first matching rule wins; the header overrides the rules.
-Examples: ``stall:after=3:for=10:every=5``, ``lost:nth=2``, ``reset:after=0:from=4``.
+Rules (``--fault`` only) on the engine's completion counter (1, 2, 3 ...): ``every=N``
+(completions N, 2N, ...), ``nth=K`` (completion K only), ``from=K`` (K and later),
+``times=N`` (at most N injections), ``prob=P[,seed=S]``; none means every completion.
+The first fault whose rules match wins. ``x-sim-fault`` chooses its own request's fault
+(no rules) and overrides ``--fault``. Examples: ``stall:after=3:for=10@every=5``,
+``lost@nth=2``, ``reset:after=0@from=4``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
+import random
 import socket
 import struct
 import time
@@ -67,24 +76,56 @@ import h11
 import structlog
 from anyio.abc import SocketAttribute, SocketStream, TaskStatus
 
+from ..errors import start_error
+from ..faultspec import FaultSpecError as FaultSpecError  # (re-exported: parse_fault's)
+from ..faultspec import (
+    bind_args,
+    counter_rules,
+    fail,
+    rule_keys,
+    split_spec,
+    to_int,
+    to_seconds,
+)
 from .scheduler import EngineType, Scheduler, SchedulerConfig, SimRequest
 
 log = structlog.get_logger("tracer.sim.engine")
 
 FAULT_KINDS = ("stall", "wedge", "lost", "close", "reset", "500", "error")
+FAULT_ARGS: dict[str, tuple[str, ...]] = {  # each fault's arguments, in positional order
+    "stall": ("after", "for"),
+    "wedge": ("after", "for"),
+    "lost": (),
+    "close": ("after",),
+    "reset": ("after",),
+    "500": (),
+    "error": ("after",),
+}
+FAULT_USAGE = {
+    kind: kind + "".join(f"[:{a}={'S' if a == 'for' else 'N'}]" for a in args) + "[@RULE,...]"
+    for kind, args in FAULT_ARGS.items()
+}
+RULE_KEYS: dict[str, str] = rule_keys("engine")  # the engine's rules (faultspec.RULES)
 SIM_VERSION = "0.5.6"  # what /server_info and /v1/loads report as the SGLang version
 
 
 @dataclass(frozen=True)
 class Fault:
+    """One engine fault: what it does (kind, after, seconds) and its rules."""
+
     kind: str
     after: int = 1
     seconds: float = 30.0
     every: int | None = None
     nth: int | None = None
     start: int | None = None  # from=
+    times: int | None = None
+    prob: float | None = None
+    seed: int = 0
 
     def matches(self, seq: int) -> bool:
+        """The counter rules (every, nth, from) for completion ``seq``; ``times`` and
+        ``prob`` are counted by the engine (``SimEngine._fault_for``)."""
         if self.nth is not None and seq != self.nth:
             return False
         if self.every is not None and seq % self.every != 0:
@@ -93,45 +134,49 @@ class Fault:
 
     def __str__(self) -> str:
         parts = [self.kind]
-        if self.kind in ("stall", "wedge", "close", "reset", "error"):
+        if "after" in FAULT_ARGS[self.kind]:
             parts.append(f"after={self.after}")
-        if self.kind in ("stall", "wedge"):
+        if "for" in FAULT_ARGS[self.kind]:
             parts.append(f"for={self.seconds:g}")
-        for key, value in (("every", self.every), ("nth", self.nth), ("from", self.start)):
-            if value is not None:
-                parts.append(f"{key}={value}")
-        return ":".join(parts)
+        rules = [
+            f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}"
+            for key, value in (
+                ("every", self.every),
+                ("nth", self.nth),
+                ("from", self.start),
+                ("times", self.times),
+                ("prob", self.prob),
+                ("seed", self.seed if self.prob is not None and self.seed else None),
+            )
+            if value is not None
+        ]
+        return ":".join(parts) + (f"@{','.join(rules)}" if rules else "")
 
 
-def parse_fault(spec: str) -> Fault:
-    """``KIND[:key=value]...``; raises ValueError with a readable message."""
-    kind, *params = spec.strip().split(":")
-    kind = kind.strip().lower()
-    if kind not in FAULT_KINDS:
-        raise ValueError(f"unknown fault {kind!r} (one of {', '.join(FAULT_KINDS)})")
+def parse_fault(spec: str, *, rules: bool = True) -> Fault:
+    """``NAME[:ARG...][@RULE,...]`` (``faultspec``'s spelling) to a ``Fault``; raises
+    ``FaultSpecError`` (a ``ValueError``). ``rules=False``: a spec that chooses the fault
+    of its own request (``x-sim-fault``), where rules have no meaning."""
+    parts = split_spec(spec, FAULT_KINDS, "engine")
+    kind, text = parts.name, parts.text
+    if parts.at and not rules:
+        raise fail(
+            text,
+            "x-sim-fault takes no rules",
+            f"the header chooses the fault of its own request: write {text.partition('@')[0]}",
+        )
+    args = bind_args(parts, FAULT_ARGS[kind], FAULT_USAGE[kind])
     values: dict[str, Any] = {}
-    for param in params:
-        key, sep, raw = param.partition("=")
-        key = key.strip().lower()
-        if not sep:
-            raise ValueError(f"fault {spec!r}: {param!r} is not key=value")
-        try:
-            if key == "for":
-                seconds = float(raw)
-                if seconds < 0 or math.isnan(seconds):
-                    raise ValueError
-                values["seconds"] = seconds
-            elif key in ("after", "every", "nth", "from"):
-                number = int(raw)
-                if number < (0 if key == "after" else 1):
-                    raise ValueError
-                values["start" if key == "from" else key] = number
-            else:
-                raise ValueError(f"fault {spec!r}: unknown key {key!r}")
-        except ValueError as exc:
-            if exc.args:
-                raise
-            raise ValueError(f"fault {spec!r}: bad value {raw!r} for {key}") from None
+    if "after" in args:
+        values["after"] = to_int(text, "after", args["after"], 0)
+    if "for" in args:
+        values["seconds"] = to_seconds(text, "for", args["for"], finite=False)
+    counters = counter_rules(parts)
+    for key, value in counters.items():
+        if key == "prob":
+            values["prob"] = float(value)
+        else:
+            values["start" if key == "from" else key] = int(value)
     return Fault(kind=kind, **values)
 
 
@@ -207,7 +252,9 @@ class SimEngine:
         self.scheduler = Scheduler(config.scheduler_config())
         self.bound: tuple[str, int] | None = None
         self.requests = 0  # HTTP requests of any kind
-        self.completions = 0  # completion requests (the fault selectors count these)
+        self.completions = 0  # completion requests (the fault rules count these)
+        self._injected = [0] * len(config.faults)  # per --fault: for times=N
+        self._draws = [random.Random(f.seed) for f in config.faults]  # per --fault: prob=P
         self.lost = 0  # requests held by the ``lost`` fault right now
         self.connections = 0
         self.hits: Counter[str] = Counter()  # "METHOD /path" -> requests
@@ -221,9 +268,13 @@ class SimEngine:
     async def serve(
         self, *, task_status: TaskStatus[tuple[str, int]] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        listener = await anyio.create_tcp_listener(
-            local_host=self.config.host, local_port=self.config.port
-        )
+        try:
+            listener = await anyio.create_tcp_listener(
+                local_host=self.config.host, local_port=self.config.port
+            )
+        except OSError as exc:
+            where = f"{self.config.host}:{self.config.port}"
+            raise start_error(f"sim engine cannot listen on {where}", exc) from None
         first = listener.listeners[0]
         self.bound = (
             str(first.extra(SocketAttribute.local_address)[0]),
@@ -450,10 +501,18 @@ class SimEngine:
         self.completions += 1
         spec = hdrs.get("x-sim-fault")
         if spec is not None:
-            return None if spec.strip().lower() in ("", "none") else parse_fault(spec)
-        for rule in self.config.faults:
-            if rule.matches(self.completions):
-                return rule
+            if spec.strip().lower() in ("", "none"):
+                return None
+            return parse_fault(spec, rules=False)
+        for i, fault in enumerate(self.config.faults):
+            if not fault.matches(self.completions):
+                continue
+            if fault.prob is not None and self._draws[i].random() >= fault.prob:
+                continue
+            if fault.times is not None and self._injected[i] >= fault.times:
+                continue
+            self._injected[i] += 1
+            return fault
         return None
 
     async def _completion(
