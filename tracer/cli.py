@@ -43,7 +43,8 @@ start here:
   tracer proxy --listen 127.0.0.1:8080 --upstream http://127.0.0.1:30000 --capture front.jsonl
                             put the tap in front of the router; point the client's base_url
                             at http://127.0.0.1:8080/v1
-  tracer report front.jsonl when it hangs: who is at fault, with the evidence
+  tracer report front.jsonl -o incident.md
+                            when it hangs: who is at fault, with the evidence
   tracer info front.jsonl   what a capture holds
 
 exit codes: 0 done, 1 failed at run time, 2 bad arguments, 3 input that is not a capture

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Sequence
 from typing import NoReturn
 from urllib.parse import urlsplit
 
@@ -50,6 +51,25 @@ class TracerParser(argparse.ArgumentParser):
             default="info" if top else argparse.SUPPRESS,
             help="least severe log lines shown (default: info)",
         )
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        """As argparse's, but arguments no parser took are blamed on the command that was
+        given them (``tracer analyze: error: unrecognized arguments``), not on ``tracer``."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._chosen(ns).error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns
+
+    def _chosen(self, ns: argparse.Namespace) -> argparse.ArgumentParser:
+        """The innermost (sub)command parser the namespace says was chosen."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                sub = action.choices.get(getattr(ns, action.dest, None) or "")
+                if isinstance(sub, TracerParser):
+                    return sub._chosen(ns)
+        return self
 
     def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"{self.prog}: error: {message}\n(see '{self.prog} --help')\n")
@@ -105,8 +125,10 @@ def http_url(text: str) -> str:
     try:
         parts = urlsplit(text.strip())
         port = parts.port
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the port is not a number from 1 to 65535"
+        ) from None
     if parts.scheme not in ("http", "https"):
         raise argparse.ArgumentTypeError(f"{text!r}: not an http:// or https:// URL")
     if not parts.hostname:

@@ -146,6 +146,12 @@ def parse_upstream(url: str) -> tuple[str, int]:
         raise ValueError(f"upstream must be an http:// URL (got {parts.scheme}://)")
     if not parts.hostname:
         raise ValueError(f"upstream URL has no host: {url!r}")
+    try:
+        parts.port  # noqa: B018  (urllib checks the port when it is read)
+    except ValueError:
+        raise ValueError(
+            f"upstream URL {url!r}: the port is not a number from 1 to 65535"
+        ) from None
     if parts.port == 0:
         raise ValueError(f"upstream URL has port 0: {url!r}")
     return parts.hostname, parts.port or 80

@@ -131,13 +131,17 @@ def verdict_lines(result: dict[str, Any]) -> list[str]:
         f"VERDICT: {v.get('party', 'none')} — {v.get('kind', 'healthy')} "
         f"({v.get('confidence', '-')} confidence). {v.get('summary', '')}"
     ]
-    for r in v.get("ruled_out") or []:
-        lines.append(f"  ruled out {r['party']}: {r['why']}")
-    for caveat in v.get("caveats") or []:
-        lines.append(f"  caveat: {caveat['text']}")
 
     def rel(t: float) -> str:
         return _rel_time(t, origin)
+
+    def quoted(text: str) -> str:  # epoch times quoted in a sentence, as offsets
+        return EPOCH.sub(lambda m: rel(float(m.group(1))), text)
+
+    for r in v.get("ruled_out") or []:
+        lines.append(f"  ruled out {r['party']}: {quoted(r['why'])}")
+    for caveat in v.get("caveats") or []:
+        lines.append(f"  caveat: {caveat['text']}")
 
     for f in result.get("findings") or []:
         tag = "note" if f["note"] else f"{f['party']}, {f['confidence']}"
@@ -150,9 +154,9 @@ def verdict_lines(result: dict[str, Any]) -> list[str]:
         for item in f["evidence"]:
             lines.append(f"  - {evidence_line(item, rel)}")
         for r in f["ruled_out"]:
-            lines.append(f"  ruled out {r['party']}: {r['why']}")
+            lines.append(f"  ruled out {r['party']}: {quoted(r['why'])}")
         if f.get("settle"):
-            lines.append(f"  to settle: {f['settle']}")
+            lines.append(f"  to settle: {quoted(f['settle'])}")
     return lines
 
 
@@ -187,6 +191,7 @@ REQUEST_COLUMNS = (
     "stalls",
 )
 TABLE_CHUNK = 500  # rows rendered by rich at a time
+TABLE_WIDTH = 400  # a table wider than the terminal wraps there; its cells stay whole
 
 
 # the tables' columns without --wide: what answers "which one, when, how did it end"
@@ -475,7 +480,7 @@ def _write_table(
         table.add_row(*widest)
         for cells in chunk:
             table.add_row(*cells)
-        _console(buf, console.width).print(table)
+        _console(buf, max(console.width, TABLE_WIDTH)).print(table)  # never cut a cell
         return buf.getvalue().splitlines(keepends=True)
 
     head = render(title, [])
