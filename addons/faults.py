@@ -5,7 +5,7 @@
 
 Theory of operation
 -------------------
-The specs, rules and decisions are ``tracer/faults.py``'s: ``configure`` parses
+The specs, rules and decisions are ``tracer/faults/plan.py``'s: ``configure`` parses
 ``tracer_faults`` (one spec per value) into a ``FaultPlan``; ``requestheaders`` counts
 the request's position on its client connection and asks the plan. What each fault
 becomes in mitmproxy's hooks:
@@ -65,7 +65,7 @@ from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.addonmanager import Loader
 from mitmproxy.utils import human
 
-from tracer.faults import (
+from tracer.faults.plan import (
     Decision,
     Fault,
     FaultPlan,

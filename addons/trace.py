@@ -8,14 +8,14 @@
 Theory of operation
 -------------------
 A thin adapter: mitmproxy parses HTTP and calls hooks; this addon takes from each hook
-the facts the tracer needs (times, ids, heads, body pieces: ``tracer/mitm.py``, ``FACTS``)
-and hands them to ``tracer.mitm.MitmEngine``, which turns them into the tracer's typed
+the facts the tracer needs (times, ids, heads, body pieces: ``tracer/observe/flows.py``, ``FACTS``)
+and hands them to ``tracer.observe.flows.MitmEngine``, which turns them into the tracer's typed
 events (``tracer/events.py``) and writes them with the tracer's capture writer,
-classifying SSE with ``tracer/sse.py`` and redacting headers with ``tracer/redact.py``.
+classifying SSE with ``tracer/protocol/sse.py`` and redacting headers with ``tracer/redact.py``.
 ``tracer analyze`` reads the result like any other capture (``capture_start.kind`` is
 ``mitmproxy``).
 
-The engine runs in a capture process of its own (``python -m tracer.mitm``, started when
+The engine runs in a capture process of its own (``python -m tracer.observe.flows``, started when
 the capture opens; ``tracer_sidecar=false`` runs it in mitmproxy's process instead): the
 facts go to it in batches every ``SHIP_INTERVAL`` over a pipe that never blocks
 mitmproxy. So the work per request and per SSE event (the SSE classification, the body
@@ -113,8 +113,8 @@ from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
 import tracer
 from tracer import __version__
-from tracer.capture import boot_id
-from tracer.mitm import (
+from tracer.capture.files import boot_id
+from tracer.observe.flows import (
     BIG_PIECE,
     BODIES,
     MAX_KEPT_BYTES,
@@ -125,8 +125,8 @@ from tracer.mitm import (
     frame,
     open_engine,
 )
-from tracer.sniff import BODY_BATCH_READS
-from tracer.sse import is_event_stream
+from tracer.observe.wire import BODY_BATCH_READS
+from tracer.protocol.sse import is_event_stream
 
 __all__ = ["BODY_BATCH_READS", "MAX_KEPT_BYTES", "ContentShape", "SseObserver", "TraceAddon"]
 
@@ -213,7 +213,7 @@ class _CaptureProcess:
         root = str(Path(tracer.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tracer.mitm"], stdin=subprocess.PIPE, env=env
+            [sys.executable, "-m", "tracer.observe.flows"], stdin=subprocess.PIPE, env=env
         )
         assert self.proc.stdin is not None
         self.stdin = self.proc.stdin
@@ -335,7 +335,7 @@ class _CaptureProcess:
 
 
 class TraceAddon:
-    """mitmproxy hooks in, facts for ``tracer.mitm.MitmEngine`` out."""
+    """mitmproxy hooks in, facts for ``tracer.observe.flows.MitmEngine`` out."""
 
     def __init__(self) -> None:
         self.tap = "mitmproxy"

@@ -218,7 +218,7 @@ def main() -> int:
             left = cut[1]
             while left:
                 left -= dst.write(src.read(min(left, 1 << 20)))
-        baseline = measure("-c", "import tracer.cli")
+        baseline = measure("-c", "import tracer.cli.commands")
         runs = []
         for path, count in ((small, cut[0]), (big, records)):
             m = measure("-m", "tracer", "analyze", str(path), "--format", "json")

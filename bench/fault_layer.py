@@ -2,7 +2,7 @@
 it does not fault.
 
 With ``--fault`` or ``--fault-control`` every connection goes through
-``tracer.faults.ConnectionFaults`` (both directions cut into messages, chunks and, where
+``tracer.faults.plan.ConnectionFaults`` (both directions cut into messages, chunks and, where
 a fault needs them, SSE events), even for requests no fault matches and while the plan
 is empty; without, the relay's data path has no check at all. Three ``tracer proxy``
 processes, one after the other on the proxy's core, each writing a capture: plain, with

@@ -2,7 +2,7 @@
 
 ``python -m bench.loadgen_ceiling`` starts ``tracer sim engine --ttft 0 --itl 0
 --batch-alpha 0`` pinned to core 1, pins itself to core 0, and runs ``tracer bench``'s
-own code (``tracer.bench.run_level``: warm-up, then measured runs) at one concurrency with
+own code (``tracer.tools.bench.run_level``: warm-up, then measured runs) at one concurrency with
 long outputs, so that almost every event is a content chunk. Then, for reference, the same
 load through ``httpx.AsyncClient`` (the same SSE reader), the other client considered.
 
@@ -28,10 +28,10 @@ import anyio
 import httpx
 
 from bench.procs import cpu_seconds, free_port, spawn, wait_port
-from tracer.bench import BenchConfig, Reporter, run_level
-from tracer.cli import loop_options
-from tracer.streamclient import Sample, SSEReader, Target
-from tracer.workload import RequestSpec, synthetic_mix
+from tracer.proxy.relay import loop_options
+from tracer.tools.bench import BenchConfig, Reporter, run_level
+from tracer.tools.streamclient import Sample, SSEReader, Target
+from tracer.tools.workload import RequestSpec, synthetic_mix
 
 CLIENT_CORE, ENGINE_CORE = 0, 1
 

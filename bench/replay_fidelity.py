@@ -28,8 +28,8 @@ from typing import Any
 
 import anyio
 
-from tracer.capture import CaptureWriter
-from tracer.relay import Tap, TapConfig
+from tracer.capture.files import CaptureWriter
+from tracer.proxy.relay import Tap, TapConfig
 from tracer.sim.engine import EngineConfig, SimEngine
 from tracer.sim.harness import HarnessConfig, run_harness
 

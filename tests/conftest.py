@@ -18,8 +18,8 @@ import pytest
 from anyio.abc import SocketAttribute, SocketStream, TaskStatus
 
 from tracer import events as ev
-from tracer.capture import CaptureWriter, read_events
-from tracer.relay import Tap, TapConfig
+from tracer.capture.files import CaptureWriter, read_events
+from tracer.proxy.relay import Tap, TapConfig
 
 
 @pytest.fixture

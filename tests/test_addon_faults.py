@@ -22,8 +22,8 @@ import pytest
 from mitmproxy import exceptions, http
 
 from tracer import events as ev
-from tracer.capture import read_events, read_records
-from tracer.faults import parse_fault, status_body
+from tracer.capture.files import read_events, read_records
+from tracer.faults.plan import parse_fault, status_body
 
 from .conftest import recv_all, recv_until
 from .test_fault_injection import nothing_for

@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from tracer.capture import read_records
+from tracer.capture.files import read_records
 
 from .conftest import analyze_json, wait_until
 from .test_addon_trace import _count, mitmdump

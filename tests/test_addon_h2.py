@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tracer.capture import read_records
+from tracer.capture.files import read_records
 
 from .conftest import analyze_json, wait_until
 from .h2client import H2Client

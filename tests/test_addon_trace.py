@@ -38,12 +38,12 @@ from mitmproxy.io import FlowReader
 from mitmproxy.net.http.http1 import connection_close
 
 from tracer import events as ev
-from tracer import mitm
-from tracer.capture import read_events, read_records
-from tracer.faults import parse_fault
-from tracer.mitm import ContentShape, SseObserver, _client_closes
+from tracer.capture.files import read_events, read_records
+from tracer.faults.plan import parse_fault
+from tracer.observe import flows as mitm
+from tracer.observe.flows import ContentShape, SseObserver, _client_closes
+from tracer.protocol.sse import SseSplitter, classify
 from tracer.sim.harness import HarnessConfig, run_harness
-from tracer.sse import SseSplitter, classify
 
 from .conftest import analyze_json, recv_all, recv_until, running_tap, wait_closed, wait_until
 from .test_sim_engine import chat_request, engine_running

@@ -10,9 +10,9 @@ import anyio
 import httpx
 import pytest
 
-from tracer import admin as admin_mod
-from tracer.admin import AdminServer
-from tracer.relay import Tap, TapConfig
+from tracer.proxy import admin as admin_mod
+from tracer.proxy.admin import AdminServer
+from tracer.proxy.relay import Tap, TapConfig
 
 TOKEN = "t" * 24
 GOOD = {"host": "127.0.0.1:9100", "authorization": f"Bearer {TOKEN}"}

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 
 from tracer import events as ev
-from tracer import findings, render, spill
-from tracer.analysis import Summary
-from tracer.capture import write_all
+from tracer.analysis import findings, spill
+from tracer.analysis.summary import Summary
+from tracer.capture.files import write_all
+from tracer.present import render
 
 ROUTER = "http://127.0.0.1:8000"
 ENGINE = "http://127.0.0.1:30000/metrics"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tracer import cli
+from tracer.cli import commands as cli
 
 SCENARIOS = Path(__file__).parent / "data" / "scenarios"
 NGINX = sorted(str(p) for p in (SCENARIOS / "nginx_buffered_http10").glob("*.jsonl"))

@@ -15,11 +15,11 @@ import structlog
 
 from tests.conftest import running_tap, wait_until
 from tests.test_sim_engine import engine_running
-from tracer import cli
 from tracer import events as ev
-from tracer.bench import check_idle, figures
+from tracer.cli import commands as cli
 from tracer.sim.engine import Fault, SimEngine
-from tracer.streamclient import Sample
+from tracer.tools.bench import check_idle, figures
+from tracer.tools.streamclient import Sample
 
 pytestmark = pytest.mark.anyio
 

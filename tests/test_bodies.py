@@ -1,4 +1,4 @@
-"""Kept request bodies and what a reader derives from them (``tracer/bodies.py``)."""
+"""Kept request bodies and what a reader derives from them (``tracer/capture/bodies.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tracer import events as ev
-from tracer.bodies import (
+from tracer.capture.bodies import (
     SHARE_MAX_CHAIN,
     common_prefix,
     decode_body,
@@ -19,7 +19,7 @@ from tracer.bodies import (
     encode_body,
     request_fields,
 )
-from tracer.capture import CaptureWriter, ReadStats, read_events, read_records
+from tracer.capture.files import CaptureWriter, ReadStats, read_events, read_records
 
 from .conftest import analyze_json
 
@@ -256,7 +256,7 @@ def test_the_body_memory_budget_bounds_every_body_held_together() -> None:
     """Two bodies streaming at once under a 1 KiB budget: the first is held, the second
     goes over and is hashed as it streams (its record says so); the budget is given back
     when a body ends, or is dropped unfinished."""
-    from tracer.bodies import OVER_BUDGET, BodyBudget, RequestBody
+    from tracer.capture.bodies import OVER_BUDGET, BodyBudget, RequestBody
 
     budget = BodyBudget(1024)
     first, second = RequestBody(1 << 20, budget=budget), RequestBody(1 << 20, budget=budget)
@@ -277,7 +277,7 @@ def test_the_body_memory_budget_bounds_every_body_held_together() -> None:
 
 
 def test_redact_json_field_replaces_the_named_fields_at_any_depth() -> None:
-    from tracer.bodies import RequestBody, redact_json
+    from tracer.capture.bodies import RequestBody, redact_json
 
     body = b'{"model": "m", "messages": [{"role": "user", "Content": "my secret plan"}], "n": 1}'
     out = json.loads(redact_json(body, frozenset({"content"})))

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tracer import events as ev
-from tracer.capture import CaptureError, CaptureWriter, ReadStats, read_events, read_records
+from tracer.capture.files import CaptureError, CaptureWriter, ReadStats, read_events, read_records
 
 
 def _header() -> ev.CaptureStart:
@@ -287,7 +287,7 @@ def test_wrong_typed_records_are_counted_with_their_lines_and_skipped(tmp_path: 
     assert stats.bad_lines == 6 and stats.invalid_records == 5
     assert stats.problems[0].startswith("line 3: conn_open.t")
     assert len(stats.problems) == 5
-    from tracer.analysis import Summary
+    from tracer.analysis.summary import Summary
 
     with Summary() as summary:
         for event in events:
@@ -340,7 +340,7 @@ def test_losses_a_missing_end_and_bad_lines_are_the_verdicts_caveats(tmp_path: P
 def test_a_file_that_is_not_a_capture_is_refused_not_an_all_clear(
     tmp_path: Path, content: bytes, what: str
 ) -> None:
-    from tracer.capture import read_into
+    from tracer.capture.files import read_into
 
     path = tmp_path / "junk.bin"
     path.write_bytes(content)
@@ -351,8 +351,8 @@ def test_a_file_that_is_not_a_capture_is_refused_not_an_all_clear(
 def test_rotation_writes_numbered_segments_each_readable_and_all_in_order(
     tmp_path: Path,
 ) -> None:
-    from tracer.analysis import Summary
-    from tracer.capture import expand_captures, read_into
+    from tracer.analysis.summary import Summary
+    from tracer.capture.files import expand_captures, read_into
 
     path = tmp_path / "cap.jsonl"
     writer = CaptureWriter(path, flush_interval=0.001, max_bytes=2000)
@@ -381,7 +381,7 @@ def test_rotation_writes_numbered_segments_each_readable_and_all_in_order(
 
 
 def test_compressed_segments_are_read_like_plain_ones(tmp_path: Path) -> None:
-    from tracer.capture import expand_captures, read_into
+    from tracer.capture.files import expand_captures, read_into
 
     path = tmp_path / "cap.jsonl"
     writer = CaptureWriter(path, flush_interval=0.001, max_bytes=2000, compress=True)

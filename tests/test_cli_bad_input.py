@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tracer import cli
+from tracer.cli import commands as cli
 
 from .test_replay import slow_reader_capture
 
@@ -239,7 +239,7 @@ def test_every_option_with_a_default_shows_it_in_help() -> None:
     """--help of every command: each option with a default says what it is."""
     import argparse
 
-    from tracer.cliparse import HelpFormatter
+    from tracer.arguments import HelpFormatter
 
     def walk(parser: argparse.ArgumentParser, name: str) -> list[str]:
         missing = []

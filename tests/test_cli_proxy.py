@@ -20,7 +20,7 @@ from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 from prometheus_client.parser import text_string_to_metric_families
 
-from tracer.capture import ReadStats, read_records
+from tracer.capture.files import ReadStats, read_records
 from tracer.sim.engine import EngineConfig, SimEngine
 
 from .conftest import wait_until
@@ -376,6 +376,6 @@ async def test_a_rotated_capture_is_read_as_one_from_its_folder(tmp_path: Path) 
     doc = json.loads(result.stdout)
     assert sorted(r["request_id"] for r in doc["requests"]) == sorted(f"r{i}" for i in range(12))
     assert len(doc["captures"]) == len(names)
-    from tracer.replay_compare import load  # replay reads the set too
+    from tracer.tools.replay_compare import load  # replay reads the set too
 
     assert len(load(folder).rows) == 12

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tracer.demo import smg_path
+from tracer.tools.demo import smg_path
 
 DEMO_TIMEOUT = 150  # under a minute on an idle 2-core machine; CI machines are loaded
 
@@ -68,7 +68,7 @@ def test_unknown_scenario_is_a_usage_error(tmp_path: Path) -> None:
 
 
 def test_the_scenarios_listed_by_the_cli_are_the_demo_s() -> None:
-    from tracer.cli import DEMOS
-    from tracer.demo import SCENARIOS
+    from tracer.cli.demo import DEMOS
+    from tracer.tools.demo import SCENARIOS
 
     assert list(DEMOS) == list(SCENARIOS)

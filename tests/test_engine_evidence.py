@@ -10,7 +10,7 @@ import anyio
 import pytest
 from anyio.abc import SocketStream
 
-from tracer.capture import read_records
+from tracer.capture.files import read_records
 
 from .conftest import RawUpstream, UpConn, wait_until
 from .test_cli_proxy import tracer_proxy

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from tracer import engines
-from tracer.engines import CounterTracker, MetricsError
+from tracer.evidence import engines
+from tracer.evidence.engines import CounterTracker, MetricsError
 
 DATA = Path(__file__).parent / "data" / "metrics"
 

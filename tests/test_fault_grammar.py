@@ -1,6 +1,6 @@
 """One fault grammar for the tap and the sim engine, sans-I/O: specs in, faults or errors out.
 
-``NAME[:ARG...][@RULE,...]`` is read by ``tracer.faultspec`` for ``tracer proxy --fault``
+``NAME[:ARG...][@RULE,...]`` is read by ``tracer.faults.spec`` for ``tracer proxy --fault``
 (and the mitmproxy addon) and for ``tracer sim engine --fault`` / ``x-sim-fault``; each
 side builds its own faults and takes its own rules (``docs/faults.md``).
 """
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tracer import faultspec
-from tracer.faults import KINDS, RULE_KEYS, Rule
-from tracer.faults import parse_fault as proxy_fault
-from tracer.faultspec import FaultSpecError, split_spec
+from tracer.faults import spec as faultspec
+from tracer.faults.plan import KINDS, RULE_KEYS, Rule
+from tracer.faults.plan import parse_fault as proxy_fault
+from tracer.faults.spec import FaultSpecError, split_spec
 from tracer.sim import engine
 from tracer.sim.engine import EngineConfig, Fault, SimEngine
 from tracer.sim.engine import parse_fault as engine_fault

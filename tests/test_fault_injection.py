@@ -26,8 +26,8 @@ import pytest
 from anyio.abc import SocketAttribute, SocketStream
 
 from tracer import events as ev
-from tracer.capture import read_records
-from tracer.faults import parse_fault, status_response
+from tracer.capture.files import read_records
+from tracer.faults.plan import parse_fault, status_response
 
 from .conftest import RawUpstream, TapHandle, UpConn, recv_all, recv_until, running_tap, wait_until
 
@@ -1030,8 +1030,8 @@ def test_fault_control_needs_the_admin_endpoint() -> None:
 def test_fixed_faults_are_shown_and_not_changed() -> None:
     """Without ``--fault-control`` the plan is read-only: the tap's connections do not
     follow requests for faults, so a plan set later could not reach them."""
-    from tracer.admin import AdminServer
-    from tracer.relay import Tap, TapConfig
+    from tracer.proxy.admin import AdminServer
+    from tracer.proxy.relay import Tap, TapConfig
 
     config = TapConfig("127.0.0.1", 0, "127.0.0.1", 9, faults=[parse_fault("drop-done")])
     admin = AdminServer(Tap(config), "127.0.0.1", 0)

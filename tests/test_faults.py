@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tracer.faults import (
+from tracer.faults.plan import (
     KINDS,
     ArmIdle,
     ConnectionFaults,

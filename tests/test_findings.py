@@ -8,8 +8,7 @@ from typing import Any
 import pytest
 
 from tracer import events as ev
-from tracer.analysis import Summary
-from tracer.findings import (
+from tracer.analysis.findings import (
     TIME_JOINED_REPEATS,
     Evidence,
     EvidenceItem,
@@ -17,6 +16,7 @@ from tracer.findings import (
     RuledOut,
     find,
 )
+from tracer.analysis.summary import Summary
 
 PROXY = "http://127.0.0.1:8001"  # a hop between the tap and the router
 ROUTER = "http://127.0.0.1:8000"

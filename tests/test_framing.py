@@ -7,7 +7,7 @@ import random
 import h11
 import pytest
 
-from tracer.framing import BodyDecoder, FramingError, body_framing
+from tracer.protocol.framing import BodyDecoder, FramingError, body_framing
 
 CHUNKED = b"5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nx-trailer: 1\r\n\r\n"
 NEXT = b"HTTP/1.1 200 OK\r\n"

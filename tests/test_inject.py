@@ -8,8 +8,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tracer.capture import read_records
-from tracer.inject import RequestIdInjector
+from tracer.capture.files import read_records
+from tracer.proxy.inject import RequestIdInjector
 
 from .test_cli_proxy import tracer_proxy
 from .test_sim_engine import engine_running

@@ -16,7 +16,7 @@ import re
 import h11
 import pytest
 
-from tracer.inject import RequestIdInjector
+from tracer.proxy.inject import RequestIdInjector
 
 PREFIX = "zz9"
 ADDED = re.compile(rb"x-request-id: zz9-[0-9]+\r\n")

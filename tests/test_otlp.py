@@ -22,7 +22,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
-from tracer.otlp import traces_url
+from tracer.present.otlp import traces_url
 from tracer.sim.engine import EngineConfig, SimEngine
 
 from .conftest import wait_until

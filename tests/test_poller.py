@@ -13,7 +13,7 @@ import pytest
 from anyio.abc import SocketAttribute, SocketStream, TaskStatus
 
 from tracer import events as ev
-from tracer.poller import EnginePoller, PollerConfig, loads_urls
+from tracer.evidence.poller import EnginePoller, PollerConfig, loads_urls
 
 from .conftest import wait_until
 

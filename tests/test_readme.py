@@ -30,8 +30,8 @@ import pytest
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from tracer.capture import read_records
-from tracer.cli import _parser
+from tracer.capture.files import read_records
+from tracer.cli.commands import _parser
 from tracer.sim.engine import EngineConfig, SimEngine
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -135,7 +135,7 @@ def test_text_quoted_from_the_wire_is_scrubbed() -> None:
 
 def test_a_malformed_secret_header_never_reaches_the_capture() -> None:
     """Through the observer: the anomaly record quotes h11, scrubbed."""
-    from tracer.sniff import ConnectionObserver
+    from tracer.observe.wire import ConnectionObserver
 
     events: list[object] = []
     obs = ConnectionObserver(tap="t", conn=1, emit=events.append, wall_offset=0.0, opened_m=0.0)
@@ -149,7 +149,7 @@ def test_an_older_capture_is_scrubbed_when_it_is_read() -> None:
     """A capture written before the policy (a key in the query, h11 quoting a header
     line): the analysis shows neither."""
     from tracer import events as ev
-    from tracer.analysis import Summary
+    from tracer.analysis.summary import Summary
 
     with Summary() as summary:
         summary.feed(ev.CaptureStart(t=1.0, m=1.0, tap="t", tracer_version="0", kind="proxy"))

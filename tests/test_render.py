@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tracer.render import _limited, _request_troubled
+from tracer.present.render import _limited, _request_troubled
 
 
 def test_text_output_of_a_large_capture_is_limited_troubled_rows_first() -> None:

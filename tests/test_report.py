@@ -27,12 +27,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tracer.analysis import RequestRow, Summary
-from tracer.capture import read_events
-from tracer.cli import main
-from tracer.report import _Clock
+from tracer.analysis.summary import RequestRow, Summary
+from tracer.capture.files import read_events
+from tracer.cli.commands import main
+from tracer.present.report import _Clock
+from tracer.present.timeline import LANE_COLOUR
 from tracer.sim.harness import HarnessConfig, run_harness
-from tracer.timeline import LANE_COLOUR
 
 from .test_cli_proxy import tracer_proxy
 from .test_flagship_incident import taps_around_a_hanging_proxy

@@ -21,7 +21,7 @@ import anyio
 import httpx
 import pytest
 
-from tracer.capture import read_records
+from tracer.capture.files import read_records
 from tracer.sim.engine import parse_fault
 from tracer.sim.harness import HarnessConfig, run_harness
 

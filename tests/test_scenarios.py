@@ -18,15 +18,15 @@ from typing import Any
 
 import pytest
 
-from tracer.analysis import Summary
-from tracer.capture import read_into
+from tracer.analysis.summary import Summary
+from tracer.capture.files import read_into
 
 SCENARIOS = Path(__file__).parent / "data" / "scenarios"
 CASES = sorted(p.parent.name for p in SCENARIOS.glob("*/expect.json"))
 
 
 def analyze(case: Path, captures: list[str]) -> dict[str, Any]:
-    """What ``tracer analyze CAPTURE... --format json`` computes (tracer/cli.py), in-process."""
+    """What ``tracer analyze CAPTURE... --format json`` computes (tracer/present/analyze.py), in-process."""
     with Summary() as summary:
         infos = [read_into(case / name, summary.feed).describe(name) for name in captures]
         result = summary.result(captures=infos)

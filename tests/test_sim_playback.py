@@ -25,9 +25,9 @@ import pytest
 from anyio.abc import SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from tracer import cli
 from tracer import events as ev
-from tracer.capture import read_events
+from tracer.capture.files import read_events
+from tracer.cli import commands as cli
 from tracer.sim.engine import EngineConfig, SimEngine
 from tracer.sim.playback import PlaybackEngine, Playbook, build_playbook
 

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from tracer import events as ev
-from tracer.capture import event_from_record
-from tracer.sniff import Bodies, ConnectionObserver
+from tracer.capture.files import event_from_record
+from tracer.observe.wire import Bodies, ConnectionObserver
 
 STREAMS = Path(__file__).parent / "data" / "streams"
 OPENED = 100.0
@@ -1173,7 +1173,7 @@ def test_pipelined_requests_are_parsed_as_they_arrive() -> None:
 
 
 def test_bytes_held_behind_an_upgrade_are_bounded() -> None:
-    from tracer.sniff import MAX_HELD_BYTES
+    from tracer.observe.wire import MAX_HELD_BYTES
 
     events: list[ev.Event] = []
     obs = ConnectionObserver(tap="t", conn=1, emit=events.append, wall_offset=0.0, opened_m=0.0)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tracer.sse import MAX_EVENT, SseEvent, SseSplitter, classify
+from tracer.protocol.sse import MAX_EVENT, SseEvent, SseSplitter, classify
 
 STREAMS = Path(__file__).parent / "data" / "streams"
 

@@ -8,7 +8,7 @@ import anyio
 import pytest
 from anyio.abc import SocketStream
 
-from tracer.capture import read_records
+from tracer.capture.files import read_records
 
 from .conftest import RawUpstream, UpConn, running_tap, wait_until
 
@@ -113,7 +113,7 @@ async def test_out_of_descriptors_is_the_taps_own_limit(
 
 
 def _observer(events: list[object]) -> object:
-    from tracer.sniff import ConnectionObserver
+    from tracer.observe.wire import ConnectionObserver
 
     return ConnectionObserver(tap="t", conn=1, emit=events.append, wall_offset=0.0, opened_m=0.0)
 
@@ -122,7 +122,7 @@ def test_a_header_flood_is_not_parsed_header_by_header() -> None:
     """20,000 header lines in one head: the observer stops at MAX_HEADER_LINES, records an
     anomaly and follows the connection no further (the relay forwards it regardless)."""
     from tracer import events as ev
-    from tracer.sniff import MAX_HEADER_LINES
+    from tracer.observe.wire import MAX_HEADER_LINES
 
     events: list[object] = []
     obs = _observer(events)

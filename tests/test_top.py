@@ -23,7 +23,7 @@ import httpx
 import pytest
 from rich.console import Console
 
-from tracer.top import render, render_text, status_url
+from tracer.present.top import render, render_text, status_url
 
 from .test_cli_proxy import Proc, _free_port, tracer_proxy
 from .test_sim_engine import engine_running

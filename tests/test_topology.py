@@ -15,8 +15,8 @@ import pytest
 from anyio.abc import SocketStream
 
 from tracer import events as ev
-from tracer import topology as T
-from tracer.capture import read_records
+from tracer.capture.files import read_records
+from tracer.evidence import topology as T
 
 from .conftest import RawUpstream, UpConn, running_tap, wait_until
 from .test_cli_proxy import _free_port, tracer_proxy

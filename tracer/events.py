@@ -442,7 +442,7 @@ class EngineSample(Event):
 
     ``state`` holds the normalised figures (``running``, ``queued``, ``token_usage``,
     ``gen_throughput``, ``generation_tokens_total``, ``prompt_tokens_total``,
-    ``requests_total`` ... — see ``tracer/engines.py``), each summed over the series
+    ``requests_total`` ... — see ``tracer/evidence/engines.py``), each summed over the series
     that make up the whole (never counting a per-priority and an aggregate series
     twice). ``deltas`` are counter increases since the previous sample of the same URL
     (``interval`` seconds apart); a counter that went down is a restart (``restarted``)
@@ -556,7 +556,7 @@ class FaultPlanChanged(Event):
 @_register
 @dataclass(slots=True, kw_only=True)
 class Topology(Event):
-    """What the tap's upstream is, and what that rests on (``tracer/topology.py``).
+    """What the tap's upstream is, and what that rests on (``tracer/evidence/topology.py``).
 
     Written once per tap run: at start when the role was declared (``basis``
     ``declared``), else after the tap's own fingerprint of the upstream (one fresh

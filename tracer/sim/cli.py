@@ -67,6 +67,11 @@ def _fault(value: str) -> object:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Declare ``tracer sim engine`` and ``tracer sim harness``."""
+    register(parser.add_subparsers(dest="sim_command", required=True))
+
+
 def register(sub: argparse._SubParsersAction[Any]) -> None:
     se = sub.add_parser(
         "engine",
@@ -326,7 +331,7 @@ def _harness(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cliparse import TracerParser
+    from ..arguments import TracerParser
 
     parser = TracerParser(prog="tracer sim", top=True)
     register(parser.add_subparsers(dest="sim_command", required=True))

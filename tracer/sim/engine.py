@@ -77,16 +77,8 @@ import structlog
 from anyio.abc import SocketAttribute, SocketStream, TaskStatus
 
 from ..errors import start_error
-from ..faultspec import FaultSpecError as FaultSpecError  # (re-exported: parse_fault's)
-from ..faultspec import (
-    bind_args,
-    counter_rules,
-    fail,
-    rule_keys,
-    split_spec,
-    to_int,
-    to_seconds,
-)
+from ..faults.spec import FaultSpecError as FaultSpecError  # (re-exported: parse_fault's)
+from ..faults.spec import bind_args, counter_rules, fail, rule_keys, split_spec, to_int, to_seconds
 from .scheduler import EngineType, Scheduler, SchedulerConfig, SimRequest
 
 log = structlog.get_logger("tracer.sim.engine")

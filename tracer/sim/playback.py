@@ -60,7 +60,7 @@ import orjson
 from anyio.abc import SocketStream
 
 from .. import events as ev
-from ..capture import expand_captures, read_events
+from ..capture.files import expand_captures, read_events
 from .engine import (
     _SOCKET_ERRORS,
     EngineConfig,

@@ -1,0 +1,278 @@
+"""Requests that sat with nothing from upstream: whose silence it was.
+
+The one analyzer that decides between an engine that wedged or lost the request, a hop
+that held it, and "unknown" — by the engine's own figures over the silence, probes and
+fresh connections that answered meanwhile, and what the tap's upstream is.
+"""
+
+from __future__ import annotations
+
+from ...wording import counted as counted_words
+from .context import TOGETHER, Context
+from .model import EvidenceItem, Finding, RuledOut, finding
+from .quotes import (
+    injected_items,
+    outcome_item,
+    probe_item,
+    request_item,
+    reused_words,
+    stall_item,
+    ts,
+)
+from .signs import began_before, hang_window
+
+
+def analyze_request_hangs(ctx: Context) -> list[Finding]:
+    """Requests that sat with nothing from upstream: engine wedge, lost, or a hop on reuse."""
+    out: list[Finding] = []
+    for r in ctx.interesting:
+        if not r.method:
+            continue
+        window = hang_window(r, ctx.e.end)
+        if window is None:
+            continue
+        start, end = window
+        view = ctx.engine_view(start, end)
+        evidence = [request_item(r), outcome_item(r)]
+        evidence += [stall_item(r, s) for s in r.stalls]
+        evidence += injected_items(r)
+        if view.known:
+            evidence.append(view.item())
+        probes = ctx.probes_during(start, end, r)
+        fresh_ok = [p for p in probes if p["outcome"] == "ok"]
+        evidence += [probe_item(p) for p in probes]
+        fresh, example = ctx.fresh_completed(r)
+        if example is not None:
+            evidence.append(
+                EvidenceItem(
+                    text=f"{counted_words(fresh, 'request')} on fresh connections completed meanwhile "
+                    f"(e.g. {example.id}, {example.duration or 0:.3f} s)",
+                    tap=r.tap,
+                    request=example.id,
+                    figures={"fresh_completed": fresh, "duration": example.duration},
+                )
+            )
+        mid_stream = began_before(r, start)
+        client_ok = RuledOut(
+            "client",
+            "the request reached the tap complete and the tap forwarded it; the client "
+            "was waiting for the answer",
+        )
+        if view.wedged:
+            kind = "engine_stall_mid_stream" if mid_stream else "engine_stall"
+            out.append(
+                finding(
+                    kind,
+                    "engine",
+                    "The engine held the request running while its decode progress stayed flat.",
+                    [r],
+                    evidence,
+                    [
+                        client_ok,
+                        RuledOut(
+                            "proxy",
+                            "the engine reports requests running and its decode "
+                            "progress figure did not move",
+                        ),
+                    ],
+                    "high",
+                    t=start,
+                )
+            )
+            continue
+        if view.idle and not mid_stream:
+            if view.router_in_flight:
+                out.append(
+                    finding(
+                        "engine_lost_request",
+                        "engine",
+                        "The router counts the request in flight while no engine runs or "
+                        "queues anything: it was lost in the serving stack.",
+                        [r],
+                        evidence,
+                        [client_ok, RuledOut("proxy", "the router received it")],
+                        "high",
+                        t=start,
+                    )
+                )
+                continue
+            serving = ctx.upstream_is_serving(r)
+            answered = bool(fresh_ok or fresh)
+            reuse = ctx.reuse_implicated(r, answered)
+            kind = "proxy_hung_on_reuse" if reuse else "proxy_swallowed_request"
+            party = "engine" if serving else "proxy"
+            if serving:  # the tap's upstream is the serving stack: it lost the request
+                kind = "engine_lost_request"
+            what = f"held the {reused_words(r)}" if reuse else "swallowed the request"
+            # the tap's upstream is a hop in between, or the serving stack's own front
+            # (the router's or the engine's HTTP server): say which
+            who = "The serving stack behind tap" if serving else "The hop after tap"
+            summary = f"{who} {r.tap} {what}: the engine was idle the whole time" + (
+                " and fresh connections answered." if answered else "."
+            )
+            ruled = [
+                client_ok,
+                RuledOut(
+                    "engine" if party == "proxy" else "proxy",
+                    view.quote()
+                    if party == "proxy"
+                    else "the tap's upstream is the serving stack itself",
+                ),
+            ]
+            out.append(
+                finding(
+                    kind,
+                    party,
+                    summary,
+                    [r],
+                    evidence,
+                    ruled,
+                    "high" if answered else "medium",
+                    t=start,
+                    settle=None
+                    if answered
+                    else "probes on fresh connections (--probe-on-stall) would show whether "
+                    f"{'it' if serving else 'the hop'} answers at all",
+                )
+            )
+            continue
+        serving = ctx.upstream_is_serving(r)
+        uncounted = (
+            ctx.engines.uncounted(r, start, end)
+            if serving and not mid_stream and r.status is None and (view.producing or fresh)
+            else None
+        )
+        if uncounted is not None:
+            in_flight, counted = uncounted
+            out.append(
+                finding(
+                    "engine_lost_request",
+                    "engine",
+                    f"The serving stack behind tap {r.tap} lost the request: with {in_flight} "
+                    f"request(s) in flight at the tap the engines counted {counted} running "
+                    "or queued, and answered others meanwhile.",
+                    [r],
+                    [
+                        *evidence,
+                        EvidenceItem(
+                            text=f"{counted_words(in_flight, 'request')} in flight at tap {r.tap} while the "
+                            f"engines' live running + queued said {counted}, at most moments "
+                            f"from {ts(start)} to {ts(end)}",
+                            t=start,
+                            tap=r.tap,
+                            figures={"in_flight": in_flight, "counted": counted},
+                        ),
+                    ],
+                    [
+                        client_ok,
+                        RuledOut("proxy", "the tap's upstream is the serving stack itself"),
+                    ],
+                    "high",
+                    t=start,
+                    settle=None
+                    if ctx.role(r.tap) == "engine"
+                    else "the router's own metrics (in flight per worker) would tell the "
+                    "router from an engine",
+                )
+            )
+            continue
+        answered_late = r.status is not None and (
+            r.response_bytes > 0 or r.termination == "complete"
+        )
+        if view.loaded and not mid_stream and answered_late:
+            continue  # it was answered, late: queued under load (the load analyzer's note)
+        if mid_stream and serving:
+            # its bytes stopped mid-stream with no hop between the tap and the serving stack
+            together = ctx.stopped_together(r, start)
+            if together:
+                evidence.append(
+                    EvidenceItem(
+                        text=f"{together} other stream(s) at tap {r.tap} went silent within "
+                        f"{TOGETHER:g} s of it, and no request there completed meanwhile",
+                        t=start,
+                        tap=r.tap,
+                        figures={"stopped_together": together},
+                    )
+                )
+            out.append(
+                finding(
+                    "engine_stall_mid_stream",
+                    "engine",
+                    "The stream stopped mid-way together with the others from the serving "
+                    "stack, at a tap whose upstream is the serving stack itself."
+                    if together
+                    else "The stream stopped mid-way at a tap whose upstream is the serving "
+                    "stack itself.",
+                    [r],
+                    evidence,
+                    [
+                        client_ok,
+                        RuledOut(
+                            "proxy",
+                            "there is no hop between the tap and the serving stack",
+                        ),
+                    ],
+                    "high" if view.producing or together else "medium",
+                    t=start,
+                )
+            )
+            continue
+        if mid_stream and view.producing:
+            out.append(
+                finding(
+                    "proxy_held_stream",
+                    "proxy",
+                    "Tokens were generated while none reached the tap.",
+                    [r],
+                    evidence,
+                    [client_ok],
+                    "medium",
+                    t=start,
+                )
+            )
+            continue
+        if serving:
+            out.append(
+                finding(
+                    "upstream_silent",
+                    "engine",
+                    "The serving stack held the request without answering; its figures do not "
+                    "tell a stall from a wait.",
+                    [r],
+                    evidence,
+                    [
+                        client_ok,
+                        RuledOut("proxy", "the tap's upstream is the serving stack itself"),
+                    ],
+                    "medium",
+                    settle="a decode-progress figure (SGLang's realtime_tokens_total with "
+                    "--enable-metrics, vLLM's generation_tokens_total) or /v1/loads would tell "
+                    "a stalled engine from a busy one"
+                    if view.known
+                    else "give --engine-metrics so the engine's own state during the silence "
+                    "can tell a stall from a wait",
+                    t=start,
+                )
+            )
+            continue
+        settle = (
+            "give --engine-metrics (and --probe-on-stall) so the engine's own state during "
+            "the silence can decide between the engine and a hop in between"
+            if not view.known
+            else f"place a second tap behind the hop after tap {r.tap}, in front of the "
+            "serving stack"
+        )
+        out.append(
+            finding(
+                "upstream_silent",
+                "unknown",
+                "Nothing came back from upstream; the evidence does not say which hop held it.",
+                [r],
+                evidence,
+                [client_ok],
+                "low",
+                settle=settle,
+                t=start,
+            )
+        )
+    return out

@@ -1,0 +1,794 @@
+"""From events to per-connection and per-request tables: a pure fold over a capture.
+
+``Summary.feed(event)`` accepts events in capture order (several captures one after the
+other); ``Summary.result()`` gives the rows, the evidence timelines (engine samples,
+probes, health, injected faults, hang marks) and the findings of ``tracer/analysis/findings/``.
+Nothing here reads files or clocks: the same events always give the same output.
+
+Memory is bounded by what is in flight, not by the capture's size: a request's row stays
+in memory while the request is open and for ``recent`` finished requests after it (late
+events, e.g. a stall's end after the response's end, still land on it); then it goes to a
+``SortedSpool`` (sorted runs on disk once more than ``spill_rows`` are waiting) and its
+key to a bounded list of finished keys, so that an event arriving later still is counted
+(``late_events``) and ignored rather than starting a ghost row. Connections likewise,
+from their close. Engine and health samples go to a ``ChunkLog`` (chunks on disk, read
+back by time window). The tables are read back in table order, merged, one row at a
+time. Schema and memory model: ``captures/ANALYSIS.md``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import operator
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, fields
+from typing import Any
+
+from .. import events as ev
+from ..redact import redact_target, scrub_text
+from ..times import iso
+from ..wording import counted
+from .findings import Evidence, find
+from .rows import BUNCH_GAP as BUNCH_GAP
+from .rows import ZERO_GAP as ZERO_GAP
+from .rows import ConnectionRow as ConnectionRow
+from .rows import RequestRow as RequestRow
+from .spill import ChunkLog, SortedSpool
+
+SCHEMA = "tracer.analysis/4"
+SPILL_ROWS = 4096  # finished rows held in memory before a sorted run goes to disk
+RECENT_ROWS = 1024  # finished rows that late events can still update
+FINISHED_KEYS = 16384  # keys of rows written out, remembered to ignore late events
+CLIENT_FAILURES_KEPT = 20  # client connections failed before a first request, quoted
+MAX_LAGS = 10_000  # tap_lag records kept (one a second at most per tap)
+
+
+RequestKey = tuple[str, int, int]
+ConnKey = tuple[str, int]
+
+
+def request_order(r: RequestRow) -> tuple[str, int, int]:
+    """The requests table's order."""
+    return (r.tap, r.conn, r.seq)
+
+
+def connection_order(c: ConnectionRow) -> tuple[str, float, int]:
+    """The connections table's order."""
+    return (c.tap, c.opened, c.conn)
+
+
+_REQUEST_VALUES = operator.attrgetter(*(f.name for f in fields(RequestRow)))
+_CONNECTION_VALUES = operator.attrgetter(*(f.name for f in fields(ConnectionRow)))
+
+
+RETRY_HEADER = "x-stainless-retry-count"  # sent by the openai SDKs on every attempt
+# a tap's own request (a probe on stall, the topology fingerprint), naming the tap: seen
+# by the taps behind it, it is not the client's traffic and stays out of the tables
+PROBE_HEADER = "x-tracer-probe"
+
+
+def _header(headers: list[Any], wanted: str) -> str | None:
+    for name, value in headers:
+        if len(name) == len(wanted) and name.lower() == wanted:
+            return str(value)
+    return None
+
+
+def _retry_count(headers: list[Any]) -> int | None:
+    """The openai SDK's attempt number: a retry sends the same body again, and only this
+    tells it from the first attempt when the client sends no ``x-request-id``."""
+    value = _header(headers, RETRY_HEADER)
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None
+
+
+def _declared(start: ev.CaptureStart) -> dict[str, Any] | None:
+    """The header's declared role (``--upstream-role``, ``--client-facing``), if any."""
+    if start.upstream_role is None and not start.client_facing:
+        return None
+    return {
+        "upstream_role": start.upstream_role or "unknown",
+        "basis": "declared" if start.upstream_role else "unknown",
+        "evidence": ["declared with --upstream-role"] if start.upstream_role else [],
+        "client_facing": bool(start.client_facing),
+        "server": None,
+    }
+
+
+def _request_from(values: list[Any]) -> RequestRow:
+    return RequestRow(*values)
+
+
+def _connection_from(values: list[Any]) -> ConnectionRow:
+    return ConnectionRow(*values)
+
+
+class Rows[T]:
+    """A table's rows in table order, read again at every iteration; ``len()`` counts them.
+
+    What ``Summary.result()`` gives as ``requests`` and ``connections``: iterate it (as
+    often as needed), never index it.
+    """
+
+    def __init__(self, source: Callable[[], Iterator[T]], count: int) -> None:
+        self._source, self._count = source, count
+
+    def __iter__(self) -> Iterator[T]:
+        return self._source()
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __bool__(self) -> bool:
+        return self._count > 0
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to rows or a list with the same items in the same order (streamed)."""
+        if not isinstance(other, Rows | list):
+            return NotImplemented
+        if len(self) != len(other):
+            return False
+        return all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"<Rows: {self._count}>"
+
+
+class Table[K, T]:
+    """One table of a ``Summary``: the rows still in memory and those written out.
+
+    Read-only and mapping-like (``values()``, ``items()``, ``len()``, ``get(key)``); the
+    rows come in table order.
+    """
+
+    def __init__(
+        self,
+        key: Callable[[T], K],
+        order: Callable[[T], Any],
+        encode: Callable[[T], Any],
+        decode: Callable[[list[Any]], T],
+        *,
+        spill: int,
+        recent: int,
+        remember: int,
+    ) -> None:
+        self._key, self._order = key, order
+        self.open: dict[K, T] = {}
+        self.recent: OrderedDict[K, T] = OrderedDict()  # finished, still updatable
+        self.finished: OrderedDict[K, None] = OrderedDict()  # keys of rows written out
+        self.store: SortedSpool[T] = SortedSpool(order, encode, decode, limit=spill)
+        self._recent_limit, self._remember = recent, remember
+
+    def lookup(self, key: K) -> tuple[T | None, bool]:
+        """The row if it is in memory; else whether the key is one of a row written out."""
+        row = self.open.get(key)
+        if row is None:
+            row = self.recent.get(key)
+        return row, row is None and key in self.finished
+
+    def start(self, key: K, row: T) -> None:
+        """A new row; it replaces one with the same key that is still in memory."""
+        self.open.pop(key, None)
+        self.recent.pop(key, None)
+        self.finished.pop(key, None)
+        self.open[key] = row
+
+    def finish(self, key: K) -> T | None:
+        """The row is complete; it stays updatable until ``recent`` more have finished.
+
+        Returns a row written out to make room, if one was.
+        """
+        row = self.open.pop(key, None)
+        if row is None:
+            return None
+        self.recent[key] = row
+        if len(self.recent) <= self._recent_limit:
+            return None
+        old_key, old = self.recent.popitem(last=False)
+        self.store.add(old)
+        self.finished[old_key] = None
+        if len(self.finished) > self._remember:
+            self.finished.popitem(last=False)
+        return old
+
+    def live(self) -> list[T]:
+        return [*self.open.values(), *self.recent.values()]
+
+    def __len__(self) -> int:
+        return len(self.store) + len(self.open) + len(self.recent)
+
+    def __iter__(self) -> Iterator[K]:
+        return (self._key(row) for row in self.values())
+
+    def values(self) -> Rows[T]:
+        def rows() -> Iterator[T]:
+            live = sorted(self.live(), key=self._order)
+            if not len(self.store):
+                return iter(live)
+            return heapq.merge(self.store, live, key=self._order)
+
+        return Rows(rows, len(self))
+
+    def items(self) -> Rows[tuple[K, T]]:
+        return Rows(lambda: ((self._key(r), r) for r in self.values()), len(self))
+
+    def get(self, key: K) -> T | None:
+        """The row with this key (a scan of the rows written out when it is not in memory)."""
+        row, _ = self.lookup(key)
+        if row is None:
+            row = next((r for r in self.store if self._key(r) == key), None)
+        return row
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class _Totals:
+    """Counts over finished-for-good requests, kept as they are written out."""
+
+    def __init__(self) -> None:
+        self.reused = 0
+        self.stalls = 0
+        self.terminations: Counter[str] = Counter()
+
+    def add(self, r: RequestRow) -> None:
+        self.reused += r.reused
+        self.stalls += len(r.stalls)
+        self.terminations[r.termination] += 1
+
+
+class Summary:
+    """Fold of a capture into rows; memory holds the open rows, not the events.
+
+    ``spill_rows``, ``recent_rows``, ``finished_keys`` and ``spill_samples`` set the
+    memory model's bounds (see the module docstring); the output does not depend on them
+    as long as no event arrives more than ``recent_rows`` finished requests late.
+    """
+
+    def __init__(
+        self,
+        *,
+        spill_rows: int = SPILL_ROWS,
+        recent_rows: int = RECENT_ROWS,
+        finished_keys: int = FINISHED_KEYS,
+        spill_samples: int = 512,
+    ) -> None:
+        if recent_rows < 0 or finished_keys < 0:
+            raise ValueError("recent_rows and finished_keys must not be negative")
+        bounds = {"spill": spill_rows, "recent": recent_rows, "remember": finished_keys}
+        self.requests: Table[RequestKey, RequestRow] = Table(
+            request_order, request_order, _REQUEST_VALUES, _request_from, **bounds
+        )
+        self.connections: Table[ConnKey, ConnectionRow] = Table(
+            lambda c: (c.tap, c.conn),
+            connection_order,
+            _CONNECTION_VALUES,
+            _connection_from,
+            **bounds,
+        )
+        self.taps: dict[str, dict[str, Any]] = {}
+        self.capture_losses = 0
+        self.events = 0
+        self.late_events = 0  # events for a row already written out: counted, ignored
+        self.first_t: float | None = None
+        self.last_t: float | None = None
+        self.engine_samples = ChunkLog(limit=spill_samples)  # compact records
+        self.health_samples = ChunkLog(limit=spill_samples)
+        self.probes: list[dict[str, Any]] = []
+        self.faults: list[dict[str, Any]] = []
+        self.fault_plans: list[dict[str, Any]] = []  # the faults changed at run time
+        self.marks: list[float] = []  # "the harness was seen hung" times
+        # client connections that failed before a first request (not HTTP, a failed TLS
+        # handshake): the first few, and how many in all
+        self.client_failures: list[dict[str, Any]] = []
+        self.client_failures_total = 0
+        self.engine_urls: set[str] = set()
+        self.health_urls: set[str] = set()
+        self.request_taps: set[str] = set()  # taps that parsed at least one request
+        self._totals = _Totals()
+        self._closing: dict[ConnKey, bool] = {}
+        self._own: set[RequestKey] = set()  # the taps' own requests in flight (probes)
+        self.own_requests = 0
+        self.lags: list[dict[str, Any]] = []  # windows where a tap's own loop ran late
+        self._engine_list: list[dict[str, Any]] | None = None
+        self._health_list: list[dict[str, Any]] | None = None
+
+    @property
+    def engine(self) -> list[dict[str, Any]]:
+        """All engine samples as one list (in memory: for consumers that need a list)."""
+        if self._engine_list is None or len(self._engine_list) != len(self.engine_samples):
+            self._engine_list = list(self.engine_samples)
+        return self._engine_list
+
+    @property
+    def health(self) -> list[dict[str, Any]]:
+        """All health samples as one list (in memory)."""
+        if self._health_list is None or len(self._health_list) != len(self.health_samples):
+            self._health_list = list(self.health_samples)
+        return self._health_list
+
+    def close(self) -> None:
+        """Free the temporary files now (they go away with the process anyway)."""
+        self.requests.close()
+        self.connections.close()
+        self.engine_samples.close()
+        self.health_samples.close()
+
+    def __enter__(self) -> Summary:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def feed(self, event: ev.Event) -> None:
+        self.events += 1
+        if self.first_t is None or event.t < self.first_t:
+            self.first_t = event.t
+        if self.last_t is None or event.t > self.last_t:
+            self.last_t = event.t
+        if self._own and self._own_traffic(event):
+            return
+        match event:
+            case ev.BodyData():
+                if event.sse:
+                    self._event_times(event)
+            case ev.RequestHead():
+                key = (event.tap, event.conn, event.seq)
+                ckey = (event.tap, event.conn)
+                if _header(event.headers, PROBE_HEADER) is not None:
+                    self._own.add(key)
+                    self.own_requests += 1
+                    conn = self._conn(event.tap, event.conn)
+                    if conn is not None:
+                        conn.probes += 1
+                    return
+                self.requests.start(
+                    key,
+                    RequestRow(
+                        id=f"{event.tap}/{event.conn}/{event.seq}",
+                        tap=event.tap,
+                        conn=event.conn,
+                        seq=event.seq,
+                        reused=event.seq > 1,
+                        idle_before=event.idle_before,
+                        start=event.t,
+                        method=event.method,
+                        target=redact_target(event.target),  # captures older than the policy
+                        request_id=event.request_id,
+                        retry_count=_retry_count(event.headers),
+                        version=event.version,
+                        pipelined=event.pipelined,
+                        after_close=self._closing.get(ckey, False),
+                    ),
+                )
+                self.request_taps.add(event.tap)
+                conn = self._conn(event.tap, event.conn)
+                if conn is not None:
+                    conn.requests = max(conn.requests, event.seq)
+            case ev.RequestEnd():
+                req, written = self.requests.lookup((event.tap, event.conn, event.seq))
+                self.late_events += written
+                if req is not None:
+                    req.request_bytes = event.body_bytes
+                    req.request_complete = event.complete
+                    req.body_kept = event.body_kept
+                    req.model = event.model
+                    req.stream = event.stream
+                    req.max_tokens = event.max_tokens
+                    req.messages = event.messages
+                    req.body_sha256 = event.body_sha256
+                    req.content_sha256 = event.content_sha256
+            case ev.ResponseHead():
+                req = self._request(event.tap, event.conn, event.seq, event.t)
+                if req is not None:
+                    req.status = event.status
+                    req.sse = event.sse
+                    req.ttfb = event.ttfb
+                    req.by_tracer = event.by_tracer
+                    req.keep_alive = event.keep_alive
+                if not event.keep_alive:
+                    self._closing[(event.tap, event.conn)] = True
+            case ev.ResponseEnd():
+                req = self._request(event.tap, event.conn, event.seq, event.t)
+                if req is not None:
+                    req.termination = event.termination
+                    req.status = event.status if event.status is not None else req.status
+                    req.duration = event.duration
+                    req.first_token = event.first_token
+                    req.max_gap = event.max_gap
+                    req.response_bytes = event.body_bytes
+                    req.events = event.events
+                    req.comments = event.comments
+                    req.done = event.done
+                    req.finish_reason = event.finish_reason
+                    req.usage = event.usage
+                    req.error = event.error
+                    req.close = event.close
+                    req.mid_event = event.mid_event
+                    req.detail = event.detail
+                    req.end = event.t
+                    self._finish_request((event.tap, event.conn, event.seq))
+            case ev.Stall():
+                req = self._request(event.tap, event.conn, event.seq, event.t)
+                if req is None:
+                    pass  # late: counted
+                elif event.phase == "start":
+                    req.stalls.append(
+                        {
+                            "start": event.t - event.silent_for,
+                            "direction": event.direction,
+                            "end": None,
+                            "duration": None,
+                        }
+                    )
+                elif req.stalls and req.stalls[-1]["end"] is None:
+                    req.stalls[-1]["end"] = event.t
+                    req.stalls[-1]["duration"] = event.silent_for
+            case ev.ConnOpen():
+                self.connections.start(
+                    (event.tap, event.conn),
+                    ConnectionRow(
+                        id=f"{event.tap}/{event.conn}",
+                        tap=event.tap,
+                        conn=event.conn,
+                        peer=event.peer,
+                        opened=event.t,
+                    ),
+                )
+            case ev.UpstreamConnect():
+                conn = self._conn(event.tap, event.conn)
+                if conn is not None:
+                    conn.upstream = event.addr
+                    if event.phase == "done":
+                        conn.upstream_local = event.local
+                        conn.upstream_connect = event.elapsed
+                    elif event.phase == "failed":
+                        conn.upstream_error = event.error
+                        conn.upstream_connect = event.elapsed
+            case ev.ConnClose():
+                conn = self._conn(event.tap, event.conn)
+                if conn is not None:
+                    conn.closed = event.t
+                    conn.duration = event.duration
+                    conn.closed_by = event.closed_by
+                    conn.how = event.how
+                    conn.half_close = event.half_close
+                    conn.in_flight_at_close = event.in_flight
+                    conn.bytes_from_client = event.bytes_from_client
+                    conn.bytes_from_upstream = event.bytes_from_upstream
+                    conn.requests = event.requests
+                self._finish_connection((event.tap, event.conn))
+            case ev.EngineSample():
+                self.engine_urls.add(event.url)
+                self.engine_samples.append(
+                    {
+                        "t": event.t,
+                        "tap": event.tap,
+                        "url": event.url,
+                        "source": event.source,
+                        "ok": event.ok,
+                        "error": event.error,
+                        "profile": event.profile,
+                        "state": event.state,
+                        "deltas": event.deltas,
+                        "interval": event.interval,
+                        "restarted": event.restarted,
+                    }
+                )
+            case ev.Probe():
+                self.probes.append(
+                    {
+                        "t": event.t,
+                        "tap": event.tap,
+                        "url": event.url,
+                        "target": event.target,
+                        "outcome": event.outcome,
+                        "status": event.status,
+                        "latency": event.latency,
+                        "reason": event.reason,
+                        "trigger": [event.trigger_conn, event.trigger_seq],
+                    }
+                )
+            case ev.HealthSample():
+                self.health_urls.add(event.url)
+                self.health_samples.append(
+                    {
+                        "t": event.t,
+                        "tap": event.tap,
+                        "url": event.url,
+                        "ok": event.ok,
+                        "status": event.status,
+                        "error": event.error,
+                    }
+                )
+            case ev.Anomaly():
+                conn = self._conn(event.tap, event.conn)
+                if conn is not None:
+                    conn.anomalies.append(f"{event.direction}: {scrub_text(event.error)}")
+                    if event.direction == "client" and event.seq is None and not conn.requests:
+                        self._client_failed(event)
+            case ev.CaptureStart():
+                self.taps.setdefault(
+                    event.tap,
+                    {
+                        "tap": event.tap,
+                        "kind": event.kind,
+                        "listen": event.listen,
+                        "upstream": event.upstream,
+                        "tracer_version": event.tracer_version,
+                        "boot_id": event.boot_id,
+                        "wall_offset": round(event.t - event.m, 6),
+                        "started": event.t,
+                        "ended": None,
+                        "dropped": 0,
+                        "topology": _declared(event),
+                    },
+                )
+            case ev.Topology():
+                tap = self.taps.get(event.tap)
+                if tap is not None and (
+                    tap.get("topology") is None or tap["topology"]["basis"] != "declared"
+                ):  # a declared role wins over the fingerprint
+                    tap["topology"] = {
+                        "upstream_role": event.upstream_role,
+                        "basis": event.basis,
+                        "evidence": list(event.evidence),
+                        "client_facing": event.client_facing,
+                        "server": event.server,
+                    }
+            case ev.TapLag():
+                if len(self.lags) < MAX_LAGS:
+                    blocked_at = event.t - (event.m - event.max_lag_at)  # wall time
+                    self.lags.append(
+                        {
+                            "tap": event.tap,
+                            "start": event.t - (event.m - event.window_start),
+                            "end": event.t,
+                            "max_lag": event.max_lag,
+                            "blocked": [blocked_at - event.max_lag, blocked_at],
+                        }
+                    )
+            case ev.CaptureEnd():
+                tap = self.taps.get(event.tap)
+                if tap is not None:
+                    tap["ended"] = event.t
+                    tap["dropped"] = event.dropped
+            case ev.CaptureLoss():
+                self.capture_losses += event.dropped
+            case _:
+                if event.TYPE == "fault":  # injected by the tap itself (--fault)
+                    record = event.to_record()
+                    self.faults.append(record)
+                    conn_id, seq = record.get("conn"), record.get("seq")
+                    if isinstance(conn_id, int) and isinstance(seq, int):
+                        req = self._request(event.tap, conn_id, seq, event.t)
+                        if req is not None:
+                            req.injected.append(str(record.get("spec") or record.get("fault")))
+                elif event.TYPE == "mark":
+                    self.marks.append(event.t)
+                elif isinstance(event, ev.FaultPlanChanged):
+                    self.fault_plans.append(
+                        {
+                            "tap": event.tap,
+                            "t": event.t,
+                            "change": event.change,
+                            "faults": list(event.faults),
+                        }
+                    )
+
+    def _event_times(self, event: ev.BodyData) -> None:
+        req = self._request(event.tap, event.conn, event.seq, event.t)
+        if req is None:
+            return
+        for item in event.sse or []:
+            if item[2] == "comment":
+                continue
+            at = event.t + item[0]
+            if req.last_event is not None:
+                gap = at - req.last_event
+                req.event_gaps += 1
+                if gap < ZERO_GAP:
+                    req.zero_gaps += 1
+                elif BUNCH_GAP[0] <= gap <= BUNCH_GAP[1]:
+                    req.bunch_gaps += 1
+            else:
+                req.first_event = at
+            req.last_event = at
+
+    def _conn(self, tap: str, conn: int) -> ConnectionRow | None:
+        row, written = self.connections.lookup((tap, conn))
+        self.late_events += written
+        return row
+
+    def _request(self, tap: str, conn: int, seq: int, t: float) -> RequestRow | None:
+        """The request's row; a new one for a response before any parsed request; None
+        (and counted) for an event after the row was written out."""
+        key = (tap, conn, seq)
+        req, written = self.requests.lookup(key)
+        if written:
+            self.late_events += 1
+            return None
+        if req is None:  # a tap-generated response before any parsed request
+            req = RequestRow(
+                id=f"{tap}/{conn}/{seq}",
+                tap=tap,
+                conn=conn,
+                seq=seq,
+                reused=seq > 1,
+                idle_before=0.0,
+                start=t,
+                method="",
+                target="",
+            )
+            self.requests.start(key, req)
+        return req
+
+    def _own_traffic(self, event: ev.Event) -> bool:
+        """An event of a tap's own request (kept out of the tables); its end forgets it."""
+        seq = getattr(event, "seq", None)
+        if seq is None:
+            return False
+        key = (event.tap, getattr(event, "conn", -1), seq)
+        if key not in self._own:
+            return False
+        if isinstance(event, ev.ResponseEnd):
+            self._own.discard(key)
+        return True
+
+    def _client_failed(self, event: ev.Anomaly) -> None:
+        self.client_failures_total += 1
+        if len(self.client_failures) < CLIENT_FAILURES_KEPT:
+            self.client_failures.append(
+                {
+                    "t": event.t,
+                    "tap": event.tap,
+                    "conn": event.conn,
+                    "error": scrub_text(event.error),
+                }
+            )
+
+    def _finish_request(self, key: RequestKey) -> None:
+        written = self.requests.finish(key)
+        if written is not None:
+            self._totals.add(written)
+
+    def _finish_connection(self, key: ConnKey) -> None:
+        """The connection closed: its row is complete (a request that never ended stays
+        in memory: it is in flight, or an anomaly that a finding will name)."""
+        written = self.connections.finish(key)
+        if written is not None:
+            self._closing.pop((written.tap, written.conn), None)
+
+    def result(
+        self,
+        *,
+        captures: list[dict[str, Any]] | None = None,
+        hang_at: list[float] | None = None,
+        client_facing: list[str] | None = None,
+        raw_rows: bool = False,
+    ) -> dict[str, Any]:
+        """The analysis document. ``requests`` and ``connections`` are ``Rows``: iterable
+        (several times, in table order, each row read back one at a time) with ``len()``;
+        their items are dicts, or the dataclasses with ``raw_rows`` (for
+        ``render.write_json``, which converts them one at a time)."""
+        conns = self.connections.values()
+        reqs = self.requests.values()
+        marks = sorted([*self.marks, *(hang_at or [])])
+        evidence = Evidence(
+            taps=self.taps,
+            connections=conns,
+            requests=reqs,
+            engine=self.engine_samples,
+            probes=self.probes,
+            health=self.health_samples,
+            faults=self.faults,
+            marks=marks,
+            client_facing=set(client_facing or []),
+            end=self.last_t,
+            request_taps=self.request_taps,
+            sample_urls=self.engine_urls | self.health_urls,
+            client_failures=self.client_failures,
+            client_failures_total=self.client_failures_total,
+            lags=self.lags,
+        )
+        findings, verdict = find(evidence)
+        caveats = _caveats(captures or [], self.taps, self.capture_losses)
+        if caveats:
+            verdict["caveats"] = caveats
+            if verdict["party"] == "none":  # an all-clear over missing records is not high
+                lost = self.capture_losses or any(c.get("bad_lines") for c in captures or [])
+                verdict["confidence"] = "low" if lost else "medium"
+        totals = _Totals()
+        totals.reused, totals.stalls = self._totals.reused, self._totals.stalls
+        totals.terminations.update(self._totals.terminations)
+        for r in self.requests.live():
+            totals.add(r)
+        return {
+            "schema": SCHEMA,
+            "captures": captures or [],
+            "taps": [self.taps[k] for k in sorted(self.taps)],
+            "time_range": {
+                "start": self.first_t,
+                "end": self.last_t,
+                "start_iso": iso(self.first_t) if self.first_t is not None else None,
+                "end_iso": iso(self.last_t) if self.last_t is not None else None,
+            },
+            "totals": {
+                "events": self.events,
+                "connections": len(conns),
+                "requests": len(reqs),
+                "reused_requests": totals.reused,
+                "terminations": dict(sorted(totals.terminations.items())),
+                "stalls": totals.stalls,
+                "capture_records_lost": self.capture_losses,
+                **({"tap_own_requests": self.own_requests} if self.own_requests else {}),
+                **({"late_events_ignored": self.late_events} if self.late_events else {}),
+            },
+            "connections": conns if raw_rows else _as_dicts(conns),
+            "requests": reqs if raw_rows else _as_dicts(reqs),
+            "verdict": verdict,
+            "findings": [f.to_json() for f in findings],  # the output edge: typed -> JSON
+            "evidence": {
+                "engine_samples": len(self.engine_samples),
+                "engine_urls": sorted(self.engine_urls),
+                "probes": self.probes,
+                "health_samples": len(self.health_samples),
+                "injected_faults": len(self.faults),
+                "fault_plans": sorted(self.fault_plans, key=lambda p: (p["t"], p["tap"])),
+                "marks": marks,
+                "tap_pairs": evidence.tap_pairs,
+                "tap_lags": self.lags,
+            },
+            "topology": evidence.topology,
+        }
+
+
+def _caveats(
+    captures: list[dict[str, Any]], taps: dict[str, dict[str, Any]], lost: int
+) -> list[dict[str, Any]]:
+    """What the captures may be missing, said beside the verdict (``kind``, the figures,
+    ``text``): records the writer lost, lines that could not be read, a cut last line, a
+    capture with no end (its tap killed, or still writing: what was in flight then is
+    unknown)."""
+    out: list[dict[str, Any]] = []
+    dropped = max(lost, sum(int(t.get("dropped") or 0) for t in taps.values()))
+    if dropped:
+        text = (
+            f"{counted(dropped, 'record')} lost by the capture writer (disk full or too slow): what "
+            "they said is missing from this analysis"
+        )
+        out.append({"kind": "records_lost", "count": dropped, "text": text})
+    for c in captures:
+        if c.get("bad_lines"):
+            first = (c.get("problems") or [None])[0]
+            text = f"{c['path']}: {c['bad_lines']} line(s) could not be read and were skipped"
+            out.append(
+                {
+                    "kind": "bad_lines",
+                    "capture": c["path"],
+                    "count": c["bad_lines"],
+                    "first": first,
+                    "text": text + (f" (first: {first})" if first else ""),
+                }
+            )
+        if c.get("torn_tail"):
+            text = f"{c['path']}: its last line is cut (the writer stopped mid-line)"
+            out.append({"kind": "torn_tail", "capture": c["path"], "text": text})
+    for name in sorted(taps):
+        if taps[name].get("ended") is None:
+            text = (
+                f"tap {name}: no capture_end — the tap is still running (a live capture: "
+                "stop it for the whole story) or was killed; what was in flight at the "
+                "capture's end is unknown"
+            )
+            out.append({"kind": "no_capture_end", "tap": name, "text": text})
+    return out
+
+
+def _as_dicts(rows: Rows[Any]) -> Rows[dict[str, Any]]:
+    return Rows(lambda: (asdict(r) for r in rows), len(rows))

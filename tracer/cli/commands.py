@@ -1,0 +1,128 @@
+"""Command line: one table of commands, each a module with ``configure(parser)`` and
+``run(args)``; every way out is an exit code and one line (``_exit_for``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import signal
+import sys
+from typing import Any
+
+from .. import __version__, logs
+from ..arguments import TracerParser, leaf_exception
+from ..capture.files import CaptureError
+from ..errors import StartError
+
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
+EXIT_INPUT = 3
+
+MAIN_EPILOG = """\
+start here:
+  make demo                 the incident reproduced on this machine, with its report
+  tracer proxy --listen 127.0.0.1:8080 --upstream http://127.0.0.1:30000 --capture front.jsonl
+                            put the tap in front of the router; point the client's base_url
+                            at http://127.0.0.1:8080/v1
+  tracer report front.jsonl -o incident.md
+                            when it hangs: who is at fault, with the evidence
+  tracer info front.jsonl   what a capture holds
+
+exit codes: 0 done, 1 failed at run time, 2 bad arguments, 3 input that is not a capture
+"""
+
+# Every command: its module (configure(parser), run(args)) and its line in --help.
+COMMANDS = {
+    "proxy": ("cli.proxy", "run the inline tap"),
+    "watch": ("cli.watch", "record engine evidence alone (no proxy)"),
+    "analyze": ("present.analyze", "the verdict, findings and tables from captures"),
+    "info": ("present.info", "what a capture holds: tap, time range, records, losses, clean end"),
+    "report": ("present.report", "a Markdown incident report with a timeline picture"),
+    "top": ("present.top", "live terminal view of a running tap (through its admin endpoint)"),
+    "replay": (
+        "tools.replay",
+        "replay a capture against a target (same connections and timing, or fresh)",
+    ),
+    "bench": (
+        "tools.bench",
+        "closed-loop streaming benchmark (tokens/s, TTFT, ITL, TPOT) per concurrency",
+    ),
+    "compare": (
+        "tools.compare",
+        "compare two bench results per concurrency, with the run-to-run spread",
+    ),
+    "demo": ("cli.demo", "reproduce the incident (or another scenario) on this machine"),
+    "sim": ("sim.cli", "simulated engine and harness"),
+}
+
+
+def _command_module(name: str) -> Any:
+    return importlib.import_module(f"tracer.{COMMANDS[name][0]}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = TracerParser(
+        prog="tracer",
+        description="Traffic-layer diagnostic proxy for LLM serving.",
+        epilog=MAIN_EPILOG,
+        top=True,
+    )
+    p.add_argument("--version", action="version", version=f"tracer {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        module = _command_module(name)
+        module.configure(sub.add_parser(name, help=help_text, description=module.__doc__))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logs.configure(json=args.log_json, level=args.log_level)
+    try:
+        return _dispatch(args)
+    except BaseException as exc:  # every way out is one line and an exit code
+        return _exit_for(exc, args)
+
+
+def _exit_for(exc: BaseException, args: argparse.Namespace) -> int:
+    """What an exception becomes for the user: one line on stderr and an exit code
+    (2 usage, 3 input that is not a capture, 1 anything else); never a traceback but at
+    ``--log-level debug``."""
+    leaf = leaf_exception(exc)
+    if isinstance(leaf, SystemExit):
+        raise leaf
+    if isinstance(leaf, KeyboardInterrupt):
+        return 130
+    if isinstance(leaf, BrokenPipeError):  # the reader of our output went away (`| head`)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # nothing more to flush at exit
+        return 128 + signal.SIGPIPE
+    if isinstance(leaf, ValueError):
+        _say(str(leaf))
+        return EXIT_USAGE
+    if isinstance(leaf, CaptureError):
+        _say(str(leaf))
+        return EXIT_INPUT
+    if isinstance(leaf, StartError):
+        _say(str(leaf))
+    elif isinstance(leaf, OSError):
+        where = f"{leaf.filename}: " if leaf.filename else ""
+        _say(f"{where}{leaf.strerror or leaf}")
+    else:
+        _say(
+            f"internal error: {type(leaf).__name__}: {leaf} (a bug; --log-level debug shows where)"
+        )
+    if args.log_level == "debug":
+        import traceback
+
+        traceback.print_exception(leaf, file=sys.stderr)
+    return EXIT_RUNTIME
+
+
+def _say(text: str) -> None:
+    print(f"tracer: {text}", file=sys.stderr, flush=True)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    return int(_command_module(args.command).run(args))
