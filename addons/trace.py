@@ -9,7 +9,7 @@ Theory of operation
 -------------------
 A thin adapter: mitmproxy parses HTTP and calls hooks; this addon takes from each hook
 the facts the tracer needs (times, ids, heads, body pieces: ``tracer/observe/flows.py``, ``FACTS``)
-and hands them to ``tracer.observe.flows.MitmEngine``, which turns them into the tracer's typed
+and hands them to ``tracer.observe.flows.FlowObserver``, which turns them into the tracer's typed
 events (``tracer/events.py``) and writes them with the tracer's capture writer,
 classifying SSE with ``tracer/protocol/sse.py`` and redacting headers with ``tracer/redact.py``.
 ``tracer analyze`` reads the result like any other capture (``capture_start.kind`` is
@@ -69,7 +69,7 @@ Rules:
    cannot be reached, or a response an addon set). On HTTP/2 from the client a stream's
    end is that stream's alone, each stream in flight is watched for stalls by its own
    last sign of life, and the bytes mitmproxy holds for the client under flow control
-   are followed (``MitmEngine._delivery_check``): a streamed response ends when they
+   are followed (``FlowObserver._delivery_check``): a streamed response ends when they
    have left.
 4. What mitmproxy does not show is not invented: chunk boundaries (``chunks`` is 0),
    FIN versus reset (``close`` is absent; ``conn_close.how`` is ``unknown``), half-close.
@@ -119,7 +119,7 @@ from tracer.observe.flows import (
     BODIES,
     MAX_KEPT_BYTES,
     ContentShape,
-    MitmEngine,
+    FlowObserver,
     Settings,
     SseObserver,
     frame,
@@ -335,7 +335,7 @@ class _CaptureProcess:
 
 
 class TraceAddon:
-    """mitmproxy hooks in, facts for ``tracer.observe.flows.MitmEngine`` out."""
+    """mitmproxy hooks in, facts for ``tracer.observe.flows.FlowObserver`` out."""
 
     def __init__(self) -> None:
         self.tap = "mitmproxy"
@@ -343,7 +343,7 @@ class TraceAddon:
         self.bodies = "requests"
         self.body_memory = 64 * 1024 * 1024
         self.sidecar = True
-        self.engine: MitmEngine | None = None  # tracer_sidecar=false
+        self.engine: FlowObserver | None = None  # tracer_sidecar=false
         self.process: _CaptureProcess | None = None  # tracer_sidecar=true
         self._clients: dict[str, _Client] = {}  # by mitmproxy's client connection id
         self._flows: dict[str, _Flow] = {}  # by flow id

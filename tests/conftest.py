@@ -161,7 +161,7 @@ async def running_tap(
         async with anyio.create_task_group() as tg:
             bound = await tg.start(tap.serve)
             handle = TapHandle(tap=tap, port=bound[0][1], capture=path)
-            tap.sinks.append(handle.live.append)
+            tap.bus.add("test", handle.live.append)
             yield handle
             tap.stop()
             tg.cancel_scope.cancel()

@@ -426,13 +426,13 @@ def run(args: argparse.Namespace) -> int:
             spawn=tap.start_soon,
             load=poller,
         )
-        tap.sinks.append(prober)
+        tap.bus.add("probes", prober)
     otlp = None
     if args.otlp:
         from ..present.otlp import OtlpSink
 
         otlp = OtlpSink(args.otlp, tap=config.name, wall_offset=tap.wall_offset)
-        tap.sinks.append(otlp)
+        tap.bus.add("otlp", otlp)
     if writer is not None:
         writer.write(tap.header(engine_metrics=args.engine_metrics, probes=args.probe_on_stall))
     server = None

@@ -1,7 +1,7 @@
 """The tracer's side of ``addons/trace.py``: mitmproxy's facts in, capture events out.
 
 The addon inside mitmproxy only takes the facts each hook offers (times, ids, heads,
-body pieces) and ships them; ``MitmEngine`` turns them into the tracer's events, the
+body pieces) and ships them; ``FlowObserver`` turns them into the tracer's events, the
 same as the native tap's (connections and their reuse, requests, SSE event timing,
 terminations, stalls), and writes the capture. It imports nothing of mitmproxy: it runs
 in mitmproxy's process (``tracer_sidecar=false``, and the addon's unit tests) or in a
@@ -10,7 +10,7 @@ per request and per SSE event is not done on mitmproxy's core, between its own w
 every piece (``bench/README.md``: the addon cost mitmdump 9-12 % of its throughput when it
 did all of it there).
 
-A fact is a tuple: its kind, then its fields (``FACTS`` names them); ``MitmEngine.apply``
+A fact is a tuple: its kind, then its fields (``FACTS`` names them); ``FlowObserver.apply``
 takes one. Times: ``now`` is the monotonic clock of mitmproxy's process when the hook
 ran (the capture process on the same host reads the same clock), ``ts`` a mitmproxy
 timestamp (wall clock), turned into the monotonic clock with the wall offset fixed at
@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 from .. import events as ev
+from ..bus import EventBus
 from ..capture.bodies import BodyBudget, RequestBody, encode_body
 from ..capture.files import CaptureWriter
 from ..protocol.sse import SseEvent, SseSplitter, classify
@@ -283,7 +284,7 @@ class _Conn:
 
 class _Stream:
     """The client's HTTP/2 stream that carries a flow: the bytes mitmproxy held for it
-    under flow control at the addon's last look (``MitmEngine._delivery_check``)."""
+    under flow control at the addon's last look (``FlowObserver._delivery_check``)."""
 
     __slots__ = ("delivered", "held", "held_since", "upstream_end_m")
 
@@ -339,11 +340,14 @@ class _Flow(ResponseState[SseObserver]):
         self.injected_stop: str | None = None
 
 
-class MitmEngine:
-    """Facts from mitmproxy's hooks in, tracer events out (one capture)."""
+class FlowObserver:
+    """Facts from mitmproxy's hooks in, tracer events out (one capture): the flows'
+    counterpart of ``observe.wire.ConnectionObserver`` (which reads bytes)."""
 
     def __init__(self, writer: CaptureWriter, settings: Settings, header: dict[str, Any]) -> None:
         self.writer: CaptureWriter | None = writer
+        self.bus = EventBus()  # as the tap's: a sink that raises is switched off, alone
+        self.bus.add("capture", writer.write)
         self.settings = settings
         self.body_budget = BodyBudget(settings.body_memory)  # every request body held, together
         self.tap = settings.tap
@@ -1200,9 +1204,8 @@ class MitmEngine:
     # ---- output ---------------------------------------------------------------------------
 
     def _emit(self, event: ev.Event) -> None:
-        writer = self.writer
-        if writer is not None:
-            writer.write(event)
+        if self.writer is not None:  # (None: the capture was closed)
+            self.bus.publish(event)
 
 
 def _cut_termination(
@@ -1295,10 +1298,10 @@ def read_frames(stream: IO[bytes]) -> Iterator[list[tuple[Any, ...]]]:
         yield facts
 
 
-def open_engine(path: str, settings: Settings, header: dict[str, Any]) -> MitmEngine:
+def open_engine(path: str, settings: Settings, header: dict[str, Any]) -> FlowObserver:
     """The engine writing the capture at ``path``: the new (empty) file the addon made."""
     writer = CaptureWriter(Path(path).expanduser(), append=settings.tap)
-    return MitmEngine(writer, settings, header)
+    return FlowObserver(writer, settings, header)
 
 
 def run_capture_process(stream: IO[bytes]) -> int:

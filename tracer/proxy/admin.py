@@ -106,6 +106,12 @@ class _TapCollector:
             "Client connections the tap answered 503 itself (--max-connections).",
             stats.connections_refused,
         )
+        yield gauge(
+            "tracer_sinks_disabled",
+            "Event sinks switched off because they raised (the capture, admin state, OTLP, "
+            "probes); traffic is unaffected.",
+            len(tap.bus.disabled),
+        )
         yield counter(
             "tracer_header_timeouts",
             "Client connections closed because their request head took over --header-timeout.",
@@ -333,7 +339,7 @@ class AdminServer:
         self.registry.register(_TapCollector(tap))
         self.bound: tuple[str, int] | None = None
         self.live = LiveState()
-        tap.sinks.append(self.live)
+        tap.bus.add("admin", self.live)
 
     async def serve(
         self, *, task_status: TaskStatus[tuple[str, int]] = anyio.TASK_STATUS_IGNORED

@@ -56,6 +56,7 @@ from anyio.abc import TaskStatus
 
 from .. import __version__
 from .. import events as ev
+from ..bus import EventBus
 from ..capture.bodies import BodyBudget
 from ..capture.files import CaptureWriter, boot_id
 from ..errors import start_error
@@ -174,7 +175,14 @@ class Tap:
         self.fault_plan = (
             FaultPlan(config.faults) if config.faults or config.fault_control else None
         )
-        self.sinks = list(sinks or [])
+        # every event goes through the bus: capture first, then counters and log lines,
+        # then the sinks added later (admin, probes, OTLP); a failing sink is switched off
+        self.bus = EventBus()
+        if capture is not None:
+            self.bus.add("capture", capture.write)
+        self.bus.add("counters", self._count)
+        for i, sink in enumerate(sinks or []):
+            self.bus.add(f"sink-{i}", sink)
         self.live: dict[int, _Relay] = {}
         self.stopping = False
         self._next_id = 0
@@ -187,12 +195,14 @@ class Tap:
     # ---- events -------------------------------------------------------------------
 
     def emit(self, event: ev.Event) -> None:
-        """Every event goes through here: capture, live counters, log lines, sinks."""
-        if self.capture is not None:
-            self.capture.write(event)
+        """Every event goes through here, to the bus (never raises)."""
+        self.bus.publish(event)
+
+    safe_emit = emit  # (the name the poller and probes were given)
+
+    def _count(self, event: ev.Event) -> None:
+        """The counters of /metrics and /status, and a log line for what deserves one."""
         if type(event) is ev.BodyData:  # the hot path: nothing to count or log
-            for sink in self.sinks:
-                sink(event)
             return
         stats = self.stats
         match event:
@@ -256,8 +266,6 @@ class Tap:
                 log.warning("upstream connect failed", conn=event.conn, error=event.error)
             case _:
                 pass
-        for sink in self.sinks:
-            sink(event)
 
     def change_faults(
         self, faults: Sequence[Fault], change: Literal["replace", "add", "clear"]
@@ -515,12 +523,6 @@ class Tap:
                 relay.close_by_tracer("request head not finished within --header-timeout")
 
     # ---- guarded observation ------------------------------------------------------
-
-    def safe_emit(self, event: ev.Event) -> None:
-        try:
-            self.emit(event)
-        except Exception:
-            log.exception("emitting an event failed", type=event.TYPE)
 
     # ---- live status --------------------------------------------------------------
 

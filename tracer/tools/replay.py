@@ -724,7 +724,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _run(tap: Tap, client: Client, jobs: list[Job], poller: Any) -> None:
-    tap.sinks.append(client.clock)
+    tap.bus.add("replay-clock", client.clock)
     async with anyio.create_task_group() as tg:
         bound = await tg.start(tap.serve)
         client.opts.port = bound[0][1]
