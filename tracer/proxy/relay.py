@@ -8,7 +8,8 @@ and one write system call, with no task switch and no re-registration of the soc
 per read (which a stream ``receive()``/``send()`` pair pays every time). That is what
 keeps the tap's cost per event near nginx's.
 
-Per downstream connection one ``_Relay`` pins one upstream connection, opened when the
+Per downstream connection one ``Connection`` (``proxy/connection.py``) pins one upstream
+connection, opened when the
 client's first bytes arrive. Bytes are forwarded as they arrive, unchanged; the observer
 sees the same bytes with their arrival time. FIN is propagated as a half-close, a reset
 as a reset; backpressure is propagated by pausing the reading side while the writing
@@ -19,7 +20,8 @@ The tap answers by itself only where it must: 502 when the upstream cannot be re
 400 when the client's first bytes are not HTTP/1.x at all (a TLS handshake or an HTTP/2
 preface on this plain HTTP/1.1 listener), which no HTTP/1.1 upstream could take.
 
-Fault injection (``--fault``, opt-in) uses ``_FaultRelay``, a subclass picked per
+Fault injection (``--fault``, opt-in) uses ``FaultConnection`` (``proxy/fault_connection.py``),
+a subclass picked per
 connection only when faults are configured, so the plain relay's data path has no check
 at all. It runs every byte through ``faults.ConnectionFaults`` (sans-I/O) and carries
 out the actions it returns. The observer then sees what the client sees: the client's
@@ -36,16 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
-import fcntl
-import functools
-import math
 import resource
-import socket
-import struct
-import termios
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -62,26 +57,15 @@ from ..capture.files import CaptureWriter, boot_id
 from ..errors import start_error
 from ..evidence import topology
 from ..faults.plan import (
-    Action,
-    ArmIdle,
-    ConnectionFaults,
-    Cut,
-    Deliver,
     Fault,
     FaultPlan,
-    Forward,
-    Freeze,
-    Hold,
-    Injected,
 )
-from ..observe.wire import Bodies, ConnectionObserver, not_http
-from .inject import RequestIdInjector
+from ..observe.wire import Bodies
+from .connection import Connection, InjectingConnection, _unsent_bytes
+from .fault_connection import FaultConnection, InjectingFaultConnection
 
 log = structlog.get_logger("tracer.proxy.relay")
 
-READ_SIZE = 65536
-# errors that are the tap's own limits, not its upstream's: reported as such (503)
-OWN_LIMITS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 # descriptors kept back from the client budget: capture, admin, probes, logs, the loop
 _SPARE_DESCRIPTORS = 64
 
@@ -183,7 +167,7 @@ class Tap:
         self.bus.add("counters", self._count)
         for i, sink in enumerate(sinks or []):
             self.bus.add(f"sink-{i}", sink)
-        self.live: dict[int, _Relay] = {}
+        self.live: dict[int, Connection] = {}
         self.stopping = False
         self._next_id = 0
         self._wall = time.time() - time.monotonic()
@@ -583,629 +567,12 @@ class Tap:
         }
 
 
-class _Relay:
-    """One client connection and its pinned upstream connection, driven by callbacks."""
-
-    def __init__(self, tap: Tap, client: asyncio.Transport) -> None:
-        self.tap = tap
-        self.id = tap.next_id()
-        self.client = client
-        self.upstream: asyncio.Transport | None = None
-        self.opened_m = time.monotonic()
-        self.peer = _addr(client.get_extra_info("peername"))
-        self.local = _addr(client.get_extra_info("sockname"))
-        cfg = tap.config
-        self.obs = ConnectionObserver(
-            tap=cfg.name,
-            conn=self.id,
-            emit=tap.safe_emit,
-            wall_offset=tap._wall,
-            opened_m=self.opened_m,
-            bodies=cfg.bodies,
-            max_header_bytes=cfg.max_header_bytes,
-            max_body_keep=cfg.max_body_keep,
-            budget=tap.body_budget,
-            redact_fields=cfg.redact_json_fields,
-        )
-        self.connecting = False
-        self.held: list[bytes] = []  # client bytes read while the upstream connects
-        self.client_eof = self.upstream_eof = False
-        self.client_lost = False
-        self.upstream_lost = True  # until an upstream connection exists
-        self.client_paused_since: float | None = None  # writes to the client backed up
-        self.finished = False
-        # who closed first, and how
-        self.closed_by: Literal["client", "upstream", "tracer", "none"] | None = None
-        self.how: Literal["fin", "reset", "tracer"] | None = None
-        self.in_flight_at_close = False
-        self.fin_side: ev.Direction | None = None
-        self.fin_at_bytes = (0, 0)
-        self.upstream_opened = False
-        _nodelay(client)
-        tap.stats.connections_total += 1
-        tap.stats.connections_open += 1
-        tap.live[self.id] = self
-        tap.emit(
-            ev.ConnOpen(
-                t=self.opened_m + tap._wall,
-                m=self.opened_m,
-                tap=cfg.name,
-                conn=self.id,
-                peer=self.peer,
-                local=self.local,
-            )
-        )
-
-    # ---- bytes --------------------------------------------------------------------
-
-    def from_client(self, data: bytes) -> None:
-        now = time.monotonic()
-        if self.upstream is not None:
-            if not self.upstream.is_closing():
-                self.upstream.write(data)  # forward first: observing never delays bytes
-            self._observe(self.obs.client_data, data, now)
-            return
-        if self.finished or self.closed_by == "tracer":
-            return
-        self._observe(self.obs.client_data, data, now)
-        self._hold_for_upstream(data)
-
-    def _hold_for_upstream(self, data: bytes) -> None:
-        """Client bytes before the upstream connection exists: hold them and connect."""
-        what = None if self.connecting or self.held else not_http(data)
-        if what is not None:
-            self._answer(400, "Bad Request", f"tracer: {what} on a plain HTTP/1.1 listener\n")
-            return
-        self.held.append(data)
-        if not self.connecting:
-            self.connecting = True
-            self.client.pause_reading()  # hold at most one read until the upstream is there
-            if not self.tap.start_soon(self._connect):
-                self.close_by_tracer("tap stopping")
-
-    def from_upstream(self, data: bytes) -> None:
-        now = time.monotonic()
-        if not self.client.is_closing():
-            self.client.write(data)  # forward first: observing never delays bytes
-        self._observe(self.obs.upstream_data, data, now)
-
-    async def _connect(self) -> None:
-        tap, cfg = self.tap, self.tap.config
-        addr = f"{cfg.upstream_host}:{cfg.upstream_port}"
-        start = time.monotonic()
-        tap.emit(
-            ev.UpstreamConnect(
-                t=start + tap._wall, m=start, tap=cfg.name, conn=self.id, phase="start", addr=addr
-            )
-        )
-        loop = asyncio.get_running_loop()
-        try:
-            with anyio.fail_after(cfg.connect_timeout):
-                transport, _ = await loop.create_connection(
-                    lambda: _UpstreamSide(self), cfg.upstream_host, cfg.upstream_port
-                )
-        except (OSError, TimeoutError) as exc:
-            done = time.monotonic()
-            error = (
-                f"connect timed out after {cfg.connect_timeout:g}s"
-                if isinstance(exc, TimeoutError)
-                else topology.describe_error(exc)
-            )
-            tap.emit(
-                ev.UpstreamConnect(
-                    t=done + tap._wall,
-                    m=done,
-                    tap=cfg.name,
-                    conn=self.id,
-                    phase="failed",
-                    addr=addr,
-                    error=error,
-                    elapsed=round(done - start, 6),
-                )
-            )
-            if not self.finished and not self.client_lost:
-                if isinstance(exc, OSError) and exc.errno in OWN_LIMITS:
-                    # the tap's own limit (descriptors, memory), never the upstream's fault
-                    log.error("the tap is out of resources", conn=self.id, error=error)
-                    self._answer(
-                        503,
-                        "Service Unavailable",
-                        f"tracer: the tap itself is out of resources ({error}); "
-                        f"upstream {addr} was not tried\n",
-                    )
-                else:
-                    self._answer(
-                        502, "Bad Gateway", f"tracer: upstream {addr} unreachable: {error}\n"
-                    )
-            return
-        done = time.monotonic()
-        # (uvloop's transport is not an asyncio.Transport subclass: no isinstance checks)
-        if self.finished or self.client_lost:  # the client went away meanwhile
-            transport.abort()
-            return
-        _nodelay(transport)
-        self.upstream = transport
-        self.upstream_lost = False
-        self.upstream_opened = True
-        tap.emit(
-            ev.UpstreamConnect(
-                t=done + tap._wall,
-                m=done,
-                tap=cfg.name,
-                conn=self.id,
-                phase="done",
-                addr=addr,
-                local=_addr(transport.get_extra_info("sockname")),
-                elapsed=round(done - start, 6),
-            )
-        )
-        held, self.held = self.held, []
-        for data in held:
-            transport.write(data)
-        if self.client_eof:
-            transport.write_eof()
-        else:
-            self.client.resume_reading()
-
-    # ---- ends -------------------------------------------------------------------------
-
-    def on_client_eof(self) -> None:
-        now = time.monotonic()
-        self.client_eof = True
-        self._first("client", "fin")
-        self._observe_eof(self.obs.client_eof, now, reset=False)
-        if self.upstream is not None and not self.upstream.is_closing():
-            if self.upstream.can_write_eof():
-                self.upstream.write_eof()
-        elif self.upstream is None and not self.connecting:
-            self.client.close()  # nothing was sent: nothing to wait for
-        self._maybe_close()
-
-    def on_upstream_eof(self) -> None:
-        now = time.monotonic()
-        self.upstream_eof = True
-        self._first("upstream", "fin")
-        self._observe_eof(self.obs.upstream_eof, now, reset=False)
-        if not self.client.is_closing() and self.client.can_write_eof():
-            self.client.write_eof()
-        self._maybe_close()
-
-    def on_client_lost(self, exc: Exception | None) -> None:
-        self.client_lost = True
-        if exc is not None and not self.client_eof and self.closed_by != "tracer":
-            self._first("client", "reset")
-            self._observe_eof(self.obs.client_eof, time.monotonic(), reset=True)
-            if self.upstream is not None:
-                _abort(self.upstream)  # propagate the reset
-        elif self.upstream is not None and not self.upstream.is_closing():
-            self.upstream.close()
-        self._maybe_finish()
-
-    def on_upstream_lost(self, exc: Exception | None) -> None:
-        self.upstream_lost = True
-        if exc is not None and not self.upstream_eof and self.closed_by != "tracer":
-            self._first("upstream", "reset")
-            self._observe_eof(self.obs.upstream_eof, time.monotonic(), reset=True)
-            _abort(self.client)  # propagate the reset
-        elif not self.client.is_closing():
-            self.client.close()
-        self._maybe_finish()
-
-    def _maybe_close(self) -> None:
-        """Both sides sent FIN: close both (their buffers are flushed first)."""
-        if self.client_eof and (self.upstream_eof or self.upstream is None):
-            if not self.client.is_closing():
-                self.client.close()
-            if self.upstream is not None and not self.upstream.is_closing():
-                self.upstream.close()
-
-    def _maybe_finish(self) -> None:
-        if self.client_lost and self.upstream_lost:
-            self.finish()
-
-    def close_by_tracer(self, reason: str) -> None:
-        """Idle timeout or a refused start: close both sides, the tap is the closer."""
-        self._first("tracer", "tracer")
-        self.client.close()
-        if self.upstream is not None:
-            self.upstream.close()
-        log.info("tap closed the connection", conn=self.id, reason=reason)
-
-    def shutdown(self) -> None:
-        """The tap is stopping: close both sides and settle the records now."""
-        self._first("tracer", "tracer")
-        if not self.client.is_closing():
-            self.client.close()
-        if self.upstream is not None and not self.upstream.is_closing():
-            self.upstream.close()
-        self.finish(shutdown=True)
-
-    def _answer(self, status: int, reason: str, body: str) -> None:
-        """Write the tap's own response (502/400), record it, and close."""
-        payload = body.encode()
-        head = (
-            f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\n"
-            f"content-length: {len(payload)}\r\nconnection: close\r\n"
-            f"x-tracer: {self.tap.config.name}\r\n\r\n"
-        ).encode()
-        self._first("tracer", "tracer")
-        try:
-            detail = body.strip().removeprefix("tracer: ")
-            self.obs.tracer_response(time.monotonic(), status, reason, detail)
-        except Exception:
-            log.exception("observer failed recording the tap's own response", conn=self.id)
-        self.connecting = False
-        self.held = []
-        if not self.client.is_closing():
-            self.client.write(head + payload)
-            self.client.close()
-
-    def _first(
-        self, side: Literal["client", "upstream", "tracer"], how: Literal["fin", "reset", "tracer"]
-    ) -> None:
-        if self.closed_by is not None:
-            return
-        self.closed_by, self.how = side, how
-        self.in_flight_at_close = self.obs.in_flight
-        if how == "fin" and side != "tracer":
-            self.fin_side = side
-            self.fin_at_bytes = (self.obs.client_bytes, self.obs.upstream_bytes)
-
-    def _half_close(self) -> ev.Direction | None:
-        """The side that sent FIN first, if the other side still sent bytes after it."""
-        client_then, upstream_then = self.fin_at_bytes
-        if self.fin_side == "client" and self.obs.upstream_bytes > upstream_then:
-            return "client"
-        if self.fin_side == "upstream" and self.obs.client_bytes > client_then:
-            return "upstream"
-        return None
-
-    def finish(self, *, shutdown: bool = False) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        tap, obs = self.tap, self.obs
-        now = time.monotonic()
-        if self.closed_by is None:
-            self.closed_by, self.how = "tracer", "tracer"
-            self.in_flight_at_close = obs.in_flight
-        try:
-            obs.close(now, shutdown=shutdown or self.closed_by == "tracer")
-        except Exception:
-            log.exception("observer close failed", conn=self.id)
-        tap.live.pop(self.id, None)
-        tap.stats.connections_open -= 1
-        tap.stats.bytes_from_client += obs.client_bytes
-        tap.stats.bytes_from_upstream += obs.upstream_bytes
-        tap.emit(
-            ev.ConnClose(
-                t=now + tap._wall,
-                m=now,
-                tap=tap.config.name,
-                conn=self.id,
-                closed_by=self.closed_by,
-                how=self.how or "tracer",
-                half_close=self._half_close(),
-                in_flight=self.in_flight_at_close,
-                requests=obs.seq,
-                bytes_from_client=obs.client_bytes,
-                bytes_from_upstream=obs.upstream_bytes,
-                upstream_opened=self.upstream_opened,
-                duration=round(now - self.opened_m, 6),
-            )
-        )
-
-    # ---- backpressure -----------------------------------------------------------------
-
-    def client_write_paused(self) -> None:
-        self.client_paused_since = time.monotonic()
-        if self.upstream is not None and not self.upstream.is_closing():
-            self.upstream.pause_reading()
-
-    def client_write_resumed(self) -> None:
-        self.client_paused_since = None
-        if self.upstream is not None and not self.upstream.is_closing():
-            self.upstream.resume_reading()
-
-    def upstream_write_paused(self) -> None:
-        if not self.client.is_closing():
-            self.client.pause_reading()
-
-    def upstream_write_resumed(self) -> None:
-        if not self.client.is_closing():
-            self.client.resume_reading()
-
-    # ---- guarded observation ------------------------------------------------------
-
-    def _observe(self, fn: Callable[[bytes, float], None], data: bytes, now: float) -> None:
-        try:
-            fn(data, now)
-        except Exception:
-            log.exception("observer failed; forwarding unchanged", conn=self.id)
-
-    def _observe_eof(self, fn: Callable[..., None], now: float, *, reset: bool) -> None:
-        try:
-            fn(now, reset=reset)
-        except Exception:
-            log.exception("observer failed at EOF", conn=self.id)
-
-
-class _InjectingRelay(_Relay):
-    """A relay that adds ``x-request-id`` to requests without one (``--inject-request-id``).
-
-    The observer sees the rewritten bytes — what the upstream got — so every tap behind
-    this one records the same id and the multi-tap join is exact.
-    """
-
-    def __init__(self, tap: Tap, client: asyncio.Transport) -> None:
-        super().__init__(tap, client)
-        self.injector = RequestIdInjector(f"tracer-{tap.config.name}-{self.id}")
-        self.client_bytes = 0
-
-    def from_client(self, data: bytes) -> None:
-        passing = self.injector.passed_through is not None
-        try:
-            out = self.injector.feed(data)
-        except Exception:  # the rewriter must never stop traffic
-            log.exception("request-id injection failed; passing through", conn=self.id)
-            out = self.injector.flush() + data
-            self.injector.give_up("the rewriter failed")
-        if not passing and self.injector.passed_through is not None:
-            self._passing_through(self.injector.passed_through)
-        self.client_bytes += len(data)
-        if out:
-            super().from_client(out)
-
-    def _passing_through(self, why: str) -> None:
-        """The connection's bytes go on untouched from here: an anomaly says why."""
-        now = time.monotonic()
-        tap = self.tap
-        tap.safe_emit(
-            ev.Anomaly(
-                t=now + tap._wall,
-                m=now,
-                tap=tap.config.name,
-                conn=self.id,
-                direction="client",
-                error=f"--inject-request-id: passed through untouched: {why}",
-                offset=self.client_bytes,
-            )
-        )
-        log.info("request-id injection off for this connection", conn=self.id, reason=why)
-
-    def on_client_eof(self) -> None:
-        held = self.injector.flush()
-        if held:
-            super().from_client(held)
-        super().on_client_eof()
-
-
-class _FaultRelay(_Relay):
-    """A relay with faults (``--fault``): every byte goes through ``ConnectionFaults``.
-
-    Actions toward the client pass through one ordered queue, so that a ``Hold`` holds
-    everything behind it (bytes, records, the end of the upstream connection) until its
-    timer releases it. While the queue holds more than ``QUEUE_LIMIT`` bytes, the
-    upstream is not read. The observer is fed what the client sees: bytes written to the
-    client when they are written, and the tap's own close of the client connection.
-    """
-
-    QUEUE_LIMIT = 1 << 20
-
-    def __init__(self, tap: Tap, client: asyncio.Transport) -> None:
-        super().__init__(tap, client)
-        assert tap.fault_plan is not None
-        self.faults = ConnectionFaults(tap.fault_plan)
-        self._queue: deque[Deliver | Hold | Cut | Injected | ArmIdle | Callable[[], None]] = deque()
-        self._queued = 0  # bytes waiting in the queue
-        self._holding = False
-        self._hold: asyncio.TimerHandle | None = None
-        self._idle: asyncio.TimerHandle | None = None
-        self._frozen = False  # half-open: neither side is read or written any more
-        self._up_paused = False  # the upstream is not read: the queue is full
-
-    # ---- bytes --------------------------------------------------------------------
-
-    def from_client(self, data: bytes) -> None:
-        if self._frozen:
-            self.client.pause_reading()
-            return
-        if self.finished:
-            return
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
-        # observed first (unlike the plain relay): the request's record precedes its fault's
-        self._observe(self.obs.client_data, data, time.monotonic())
-        self._act(self.faults.client_data(data))
-
-    def from_upstream(self, data: bytes) -> None:
-        if self._frozen:
-            if self.upstream is not None:
-                self.upstream.pause_reading()
-            return
-        self._act(self.faults.upstream_data(data))
-
-    def _act(self, actions: list[Action]) -> None:
-        for action in actions:
-            if isinstance(action, Forward):
-                upstream = self.upstream
-                if upstream is not None:
-                    if not upstream.is_closing():
-                        upstream.write(action.data)
-                elif not (self.finished or self.closed_by == "tracer"):
-                    self._hold_for_upstream(action.data)
-            elif isinstance(action, Freeze):
-                self._freeze()
-            elif isinstance(action, Injected) and action.now:
-                self._record(action)
-            else:
-                if isinstance(action, Deliver):
-                    self._queued += len(action.data)
-                self._queue.append(action)
-        if self._queue:
-            self._drain()
-
-    def _drain(self) -> None:
-        queue = self._queue
-        while queue and not self._holding:
-            item = queue.popleft()
-            if isinstance(item, Deliver):
-                self._queued -= len(item.data)
-                if not self.client.is_closing():
-                    self.client.write(item.data)
-                self._observe(self.obs.upstream_data, item.data, time.monotonic())
-            elif isinstance(item, Hold):
-                if item.merge and any(isinstance(i, Hold) and i.merge for i in queue):
-                    continue  # what queued behind it goes out with this bunch
-                self._holding = True
-                if not math.isinf(item.seconds):
-                    loop = asyncio.get_running_loop()
-                    self._hold = loop.call_later(item.seconds, self._release)
-            elif isinstance(item, Injected):
-                self._record(item)
-            elif isinstance(item, Cut):
-                self._cut(item.how)
-            elif isinstance(item, ArmIdle):
-                if self._idle is not None:
-                    self._idle.cancel()
-                loop = asyncio.get_running_loop()
-                self._idle = loop.call_later(item.fault.seconds, self._idle_close, item)
-            else:
-                item()  # the upstream's end, deferred behind a hold
-        upstream = self.upstream
-        if upstream is None or upstream.is_closing():
-            return
-        if self._queued > self.QUEUE_LIMIT and not self._up_paused:
-            self._up_paused = True
-            upstream.pause_reading()
-        elif self._up_paused and self._queued <= self.QUEUE_LIMIT:
-            self._up_paused = False
-            if self.client_paused_since is None and not self._frozen:
-                upstream.resume_reading()
-
-    def _release(self) -> None:
-        self._hold = None
-        self._holding = False
-        if not self.finished:
-            self._drain()
-
-    # ---- what the faults do ---------------------------------------------------------
-
-    def _record(self, item: Injected) -> None:
-        now = time.monotonic()
-        tap = self.tap
-        tap.safe_emit(
-            ev.FaultInjected(
-                t=now + tap._wall,
-                m=now,
-                tap=tap.config.name,
-                conn=self.id,
-                seq=item.seq,
-                fault=item.fault.name,
-                spec=item.fault.spec,
-                detail=item.detail,
-            )
-        )
-
-    def _cut(self, how: Literal["fin", "reset"]) -> None:
-        """Close the client connection mid-response; the observer records the cut."""
-        self._first("tracer", "tracer")
-        self._observe_eof(self.obs.upstream_eof, time.monotonic(), reset=how == "reset")
-        if how == "reset":
-            _abort(self.client)
-        elif not self.client.is_closing():
-            self.client.close()
-        if self.upstream is not None and not self.upstream.is_closing():
-            self.upstream.close()
-        self._queue.clear()
-
-    def _freeze(self) -> None:
-        self._frozen = True
-        self._stop_timers()
-        self._queue.clear()
-        self.client.pause_reading()
-        if self.upstream is not None and not self.upstream.is_closing():
-            self.upstream.pause_reading()
-
-    def _idle_close(self, item: ArmIdle) -> None:
-        self._idle = None
-        if self.finished or self.closed_by is not None or self.obs.in_flight or self.faults.busy:
-            return
-        detail = f"connection closed after {item.fault.seconds:g}s idle"
-        self._record(Injected(item.fault, item.seq, detail))
-        self.close_by_tracer("fault close-idle-after")
-
-    def _stop_timers(self) -> None:
-        for timer in (self._hold, self._idle):
-            if timer is not None:
-                timer.cancel()
-        self._hold = self._idle = None
-        self._holding = False
-
-    # ---- ends -------------------------------------------------------------------------
-
-    def on_upstream_eof(self) -> None:
-        if self._frozen:
-            return
-        self._act(self.faults.upstream_eof())
-        if self.faults.silent and not self.client_eof:
-            # a dropped request: the client connection stays open and silent
-            self.upstream_eof = True
-            if self.upstream is not None:
-                self.upstream.close()
-            return
-        if self._queue or self._holding:
-            self._queue.append(super().on_upstream_eof)
-            return
-        super().on_upstream_eof()
-
-    def on_upstream_lost(self, exc: Exception | None) -> None:
-        if self._frozen or (self.faults.silent and not self.client_eof):
-            self.upstream_lost = True
-            self._maybe_finish()
-            return
-        if self._queue or self._holding:
-            self._queue.append(functools.partial(super().on_upstream_lost, exc))
-            return
-        super().on_upstream_lost(exc)
-
-    def on_client_lost(self, exc: Exception | None) -> None:
-        self._stop_timers()
-        deferred = [item for item in self._queue if callable(item)]
-        self._queue.clear()
-        super().on_client_lost(exc)
-        for end in deferred:  # the upstream's end, held behind a hold that is moot now
-            end()
-
-    def finish(self, *, shutdown: bool = False) -> None:
-        self._stop_timers()
-        super().finish(shutdown=shutdown)
-
-    # ---- backpressure -----------------------------------------------------------------
-
-    def client_write_resumed(self) -> None:
-        self.client_paused_since = None
-        upstream = self.upstream
-        if upstream is not None and not (upstream.is_closing() or self._frozen or self._up_paused):
-            upstream.resume_reading()
-
-    def upstream_write_resumed(self) -> None:
-        if not self._frozen:
-            super().upstream_write_resumed()
-
-
-class _InjectingFaultRelay(_InjectingRelay, _FaultRelay):
-    """Both: ``x-request-id`` added first, so the faults and the observer see the request
-    the upstream gets (and a request the tap answers itself is recorded with its id)."""
-
-
 class _ClientSide(asyncio.Protocol):
     """Callbacks of the accepted (downstream) socket."""
 
     def __init__(self, tap: Tap) -> None:
         self.tap = tap
-        self.relay: _Relay | None = None
+        self.relay: Connection | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -1218,9 +585,9 @@ class _ClientSide(asyncio.Protocol):
             return
         inject = self.tap.config.inject_request_id
         if self.tap.fault_plan is not None:
-            kind: type[_Relay] = _InjectingFaultRelay if inject else _FaultRelay
+            kind: type[Connection] = InjectingFaultConnection if inject else FaultConnection
         else:
-            kind = _InjectingRelay if inject else _Relay
+            kind = InjectingConnection if inject else Connection
         self.relay = kind(self.tap, transport)
 
     def data_received(self, data: bytes) -> None:
@@ -1243,66 +610,6 @@ class _ClientSide(asyncio.Protocol):
     def resume_writing(self) -> None:
         if self.relay is not None:
             self.relay.client_write_resumed()
-
-
-class _UpstreamSide(asyncio.Protocol):
-    """Callbacks of the upstream socket of one relay."""
-
-    def __init__(self, relay: _Relay) -> None:
-        self.relay = relay
-
-    def data_received(self, data: bytes) -> None:
-        self.relay.from_upstream(data)
-
-    def eof_received(self) -> bool:
-        self.relay.on_upstream_eof()
-        return True
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.relay.upstream is not None:
-            self.relay.on_upstream_lost(exc)
-
-    def pause_writing(self) -> None:
-        self.relay.upstream_write_paused()
-
-    def resume_writing(self) -> None:
-        self.relay.upstream_write_resumed()
-
-
-def _nodelay(transport: asyncio.BaseTransport) -> None:
-    sock = transport.get_extra_info("socket")
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def _unsent_bytes(transport: asyncio.Transport | None) -> int | None:
-    """Bytes queued toward the peer: in the transport's buffer plus the kernel's (SIOCOUTQ)."""
-    if transport is None or transport.is_closing():
-        return None
-    sock = transport.get_extra_info("socket")
-    if sock is None or sock.fileno() < 0:
-        return None
-    try:
-        buf = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
-    except OSError:
-        return None
-    return int(struct.unpack("i", buf)[0]) + transport.get_write_buffer_size()
-
-
-def _abort(transport: asyncio.Transport) -> None:
-    """Close with a reset (SO_LINGER 0), as the peer did on the other side."""
-    sock = transport.get_extra_info("socket")
-    if sock is not None and sock.fileno() >= 0:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    transport.abort()
-
-
-def _addr(value: Any) -> str:
-    if isinstance(value, tuple) and len(value) >= 2:
-        host = str(value[0])
-        return f"[{host}]:{value[1]}" if ":" in host else f"{host}:{value[1]}"
-    return str(value)
 
 
 def loop_options() -> dict[str, Any]:
