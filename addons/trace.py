@@ -114,6 +114,7 @@ from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 import tracer
 from tracer import __version__
 from tracer.capture.files import boot_id
+from tracer.observe.exchange import BODY_BATCH_READS
 from tracer.observe.flows import (
     BIG_PIECE,
     BODIES,
@@ -125,7 +126,6 @@ from tracer.observe.flows import (
     frame,
     open_engine,
 )
-from tracer.observe.wire import BODY_BATCH_READS
 from tracer.protocol.sse import is_event_stream
 
 __all__ = ["BODY_BATCH_READS", "MAX_KEPT_BYTES", "ContentShape", "SseObserver", "TraceAddon"]

@@ -41,11 +41,12 @@ from ..capture.bodies import BodyBudget, RequestBody, encode_body
 from ..capture.files import CaptureWriter
 from ..protocol.sse import SseEvent, SseSplitter, classify
 from ..redact import redact_headers, redact_target, scrub_text
-from .wire import (
+from .exchange import (
     BODY_BATCH_READS,
     BODY_BATCH_SECONDS,
     MAX_BODY_KEEP,
     ResponseState,
+    StallDirection,
     count_sse,
     end_stall,
     response_end,
@@ -63,7 +64,7 @@ BODIES = ("none", "requests", "all")
 # a bigger one makes the batch due once the batch would pass the bound.
 MAX_KEPT_BYTES = 1 << 20
 BIG_PIECE = 4096
-StallDirection = Literal["upstream_silent", "client_not_reading", "client_silent"]
+
 Cause = Literal["client", "upstream", "tracer"]
 # mitmproxy's words for the ends it reports only as text (mitmproxy/proxy/layers/http)
 KILLED = "Connection killed."  # mitmproxy.flow.Error.KILLED_MESSAGE

@@ -48,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Literal
 
 import h11
@@ -56,19 +56,27 @@ import h11
 from .. import events as ev
 from ..capture.bodies import BodyBudget, RequestBody, encode_body
 from ..protocol.framing import BodyDecoder, FramingError, body_framing
-from ..protocol.sse import SseEvent, SseSplitter, is_event_stream
+from ..protocol.sse import SseEvent, SseSplitter
 from ..redact import redact_headers, redact_target, scrub_text
+from .exchange import (
+    BODY_BATCH_READS,
+    BODY_BATCH_SECONDS,
+    MAX_BODY_KEEP,
+    ResponseState,
+    count_sse,
+    end_stall,
+    response_end,
+    response_head_facts,
+    stall_direction,
+    start_stall,
+)
 
 Emit = Callable[[ev.Event], None]
 Bodies = Literal["none", "requests", "all"]
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_HEADER_LINES = 1024  # a head with more lines is not parsed (observation cost bounded)
-MAX_BODY_KEEP = 16 * 1024 * 1024
-BODY_BATCH_SECONDS = 0.1  # a body record covers the reads of at most this long
-BODY_BATCH_READS = 256  # ... and at most this many reads
 MAX_HELD_BYTES = 1024 * 1024  # client bytes held while a protocol switch is undecided
-StallDirection = Literal["upstream_silent", "client_not_reading", "client_silent"]
 
 
 def not_http(data: bytes) -> str | None:
@@ -80,55 +88,6 @@ def not_http(data: bytes) -> str | None:
     if data.startswith(b"PRI * HTTP/2.0"):
         return "HTTP/2 preface"
     return None
-
-
-class ResponseState[S]:
-    """What a tap keeps about a response in flight, whatever tap follows it: the native
-    observer's ``_Request`` and the mitmproxy addon's flow state extend it (``S``: how
-    each splits SSE), and the records below read it."""
-
-    __slots__ = (
-        "comments",
-        "done",
-        "ended",
-        "error",
-        "events",
-        "finish_reason",
-        "first_token_m",
-        "head_m",
-        "last_data_m",
-        "max_gap",
-        "request_done",
-        "resp_bytes",
-        "resp_head_m",
-        "seq",
-        "sse",
-        "stall_direction",
-        "stall_start_m",
-        "status",
-        "usage",
-    )
-
-    def __init__(self, seq: int, head_m: float) -> None:
-        self.seq = seq
-        self.head_m = head_m
-        self.request_done = False
-        self.status: int | None = None
-        self.resp_head_m: float | None = None
-        self.resp_bytes = 0
-        self.sse: S | None = None
-        self.events = 0
-        self.comments = 0
-        self.first_token_m: float | None = None
-        self.done = False
-        self.finish_reason: str | None = None
-        self.usage: dict[str, Any] | None = None
-        self.error: str | None = None
-        self.last_data_m: float | None = None
-        self.max_gap = 0.0
-        self.ended = False
-        self.stall_start_m: float | None = None
-        self.stall_direction: StallDirection | None = None
 
 
 class _Request(ResponseState[SseSplitter]):
@@ -888,148 +847,3 @@ class ConnectionObserver:
 def _mirror_request(method: str, headers: tuple[tuple[bytes, bytes], ...]) -> h11.Request:
     """The request a response head parser is told about (events are immutable: cached)."""
     return h11.Request(method=method, target="/", headers=list(headers))
-
-
-def response_head_facts(
-    headers: Iterable[tuple[bytes, bytes]], *, keep_alive: bool
-) -> tuple[int | None, bool, bool, bool]:
-    """(Content-Length, chunked, SSE, keep-alive) from a response head's headers (names
-    in lower case), whatever tap parsed it; ``keep_alive``: the HTTP version's default."""
-    content_length: int | None = None
-    chunked = sse = False
-    for name, value in headers:
-        if name == b"content-length":
-            try:
-                content_length = int(value)
-            except ValueError:
-                content_length = None
-        elif name == b"transfer-encoding":
-            chunked = True
-        elif name == b"content-type":
-            sse = is_event_stream(value)
-        elif name == b"connection":
-            lowered = value.lower()
-            if b"close" in lowered:
-                keep_alive = False
-            elif b"keep-alive" in lowered:
-                keep_alive = True
-    return content_length, chunked, sse, keep_alive
-
-
-def count_sse(state: ResponseState[Any], sse: SseEvent, m: float) -> None:
-    """Account one SSE event: events, heartbeats, first token, [DONE], finish, usage, error."""
-    kind = sse.kind
-    if kind == "comment":
-        state.comments += 1
-        return
-    state.events += 1
-    if sse.content and state.first_token_m is None:
-        state.first_token_m = m
-    if kind == "done":
-        state.done = True
-    if sse.finish_reason is not None:
-        state.finish_reason = sse.finish_reason
-    if sse.usage is not None:
-        state.usage = sse.usage
-    if sse.error is not None:
-        state.error = sse.error
-
-
-def response_end(
-    state: ResponseState[Any],
-    m: float,
-    termination: ev.Termination,
-    *,
-    tap: str,
-    conn: int,
-    wall: float,
-    close: Literal["fin", "reset"] | None = None,
-    detail: str | None = None,
-) -> ev.ResponseEnd:
-    """The ``response_end`` record of a response, whatever tap followed it."""
-    head = state.head_m
-    mid_event = bool(state.sse is not None and state.sse.pending)
-    return ev.ResponseEnd(
-        t=m + wall,
-        m=m,
-        tap=tap,
-        conn=conn,
-        seq=state.seq,
-        termination=termination,
-        status=state.status,
-        body_bytes=state.resp_bytes,
-        duration=round(m - head, 6),
-        ttfb=None if state.resp_head_m is None else round(state.resp_head_m - head, 6),
-        first_token=None if state.first_token_m is None else round(state.first_token_m - head, 6),
-        events=state.events,
-        comments=state.comments,
-        done=state.done,
-        finish_reason=state.finish_reason,
-        usage=state.usage,
-        error=state.error,
-        max_gap=round(state.max_gap, 6) if state.resp_head_m is not None else None,
-        close=close,
-        mid_event=mid_event and termination != "complete",
-        detail=detail,
-    )
-
-
-def stall_direction(
-    state: ResponseState[Any], *, client_blocked: bool, unsent: int | None
-) -> StallDirection:
-    """Whom a silent request waits for: a client that does not read (the tap's writes to
-    it blocked, or bytes unsent once a response has begun), a client that has not sent
-    all of its request, else the upstream."""
-    if client_blocked or (unsent is not None and unsent > 0 and state.status is not None):
-        return "client_not_reading"
-    if not state.request_done and state.status is None:
-        return "client_silent"
-    return "upstream_silent"
-
-
-def start_stall(
-    state: ResponseState[Any],
-    m: float,
-    since: float,
-    direction: StallDirection,
-    *,
-    unsent: int | None,
-    tap: str,
-    conn: int,
-    wall: float,
-) -> ev.Stall:
-    """The ``stall`` start record, the response marked stalled since ``since``."""
-    state.stall_start_m = since
-    state.stall_direction = direction
-    return ev.Stall(
-        t=m + wall,
-        m=m,
-        tap=tap,
-        conn=conn,
-        seq=state.seq,
-        phase="start",
-        direction=direction,
-        silent_for=round(m - since, 6),
-        unsent_bytes=unsent,
-    )
-
-
-def end_stall(
-    state: ResponseState[Any], m: float, *, tap: str, conn: int, wall: float
-) -> ev.Stall | None:
-    """The ``stall`` end record when the response was stalled (and clear the stall)."""
-    if state.stall_start_m is None or state.stall_direction is None:
-        return None
-    event = ev.Stall(
-        t=m + wall,
-        m=m,
-        tap=tap,
-        conn=conn,
-        seq=state.seq,
-        phase="end",
-        direction=state.stall_direction,
-        silent_for=round(m - state.stall_start_m, 6),
-    )
-    state.stall_start_m = None
-    state.stall_direction = None
-    return event
