@@ -115,6 +115,7 @@ import tracer
 from tracer import __version__
 from tracer.capture.files import boot_id
 from tracer.observe.exchange import BODY_BATCH_READS
+from tracer.observe.flow_process import frame, open_engine
 from tracer.observe.flows import (
     BIG_PIECE,
     BODIES,
@@ -123,8 +124,6 @@ from tracer.observe.flows import (
     FlowObserver,
     Settings,
     SseObserver,
-    frame,
-    open_engine,
 )
 from tracer.protocol.sse import is_event_stream
 
@@ -213,7 +212,7 @@ class _CaptureProcess:
         root = str(Path(tracer.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tracer.observe.flows"], stdin=subprocess.PIPE, env=env
+            [sys.executable, "-m", "tracer.observe.flow_process"], stdin=subprocess.PIPE, env=env
         )
         assert self.proc.stdin is not None
         self.stdin = self.proc.stdin

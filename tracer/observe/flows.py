@@ -22,24 +22,17 @@ both ends; nothing else reads them).
 from __future__ import annotations
 
 import logging
-import marshal
-import os
-import re
-import struct
-import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain, islice, repeat
 from operator import sub
-from pathlib import Path
-from typing import IO, Any, Literal
+from typing import Any, Literal
 
 from .. import events as ev
 from ..bus import EventBus
 from ..capture.bodies import BodyBudget, RequestBody, encode_body
 from ..capture.files import CaptureWriter
-from ..protocol.sse import SseEvent, SseSplitter, classify
+from ..protocol.sse import SseEvent
 from ..redact import redact_headers, redact_target, scrub_text
 from .exchange import (
     BODY_BATCH_READS,
@@ -54,6 +47,8 @@ from .exchange import (
     stall_direction,
     start_stall,
 )
+from .flow_sse import ContentShape as ContentShape
+from .flow_sse import SseObserver as SseObserver
 
 log = logging.getLogger("tracer.observe.flows")
 
@@ -109,138 +104,6 @@ class Settings:
     tcp_timeout: float | None = None
     body_memory: int = BODY_MEMORY  # tracer_body_memory
     wall: float = 0.0  # time.time() - time.monotonic() in mitmproxy's process
-
-
-class ContentShape:
-    """The shape of a stream's plain content chunks: a shortcut past ``sse.classify``.
-
-    An engine writes its content chunks alike: the same bytes before the generated
-    text (``data: {"id":"…",…"delta":{"content":"``) and after it (``"},…}`` and the
-    blank line). Once ``sse.classify`` has called one such one-line event a plain
-    ``content`` chunk (no finish_reason, usage or error), any event made of the same
-    prefix, a non-empty text without ``"``, CR or LF, and the same suffix gets the same
-    answer from it: the classifier's patterns all begin with a ``"``, so none can start
-    inside the text, and the suffix (which must go on with ``,`` or ``}`` after the
-    closing quote) cannot complete one that began before. ``SseObserver`` checks that in
-    a few byte comparisons per piece, or for a run of pieces at once.
-    """
-
-    __slots__ = ("prefix", "prefix_len", "quotes", "suffix", "suffix_len")
-
-    def __init__(self) -> None:
-        self.prefix = self.suffix = b""
-        self.prefix_len = self.suffix_len = self.quotes = 0
-
-    def learn(self, event: bytes, sse: SseEvent) -> None:
-        """``event``: one whole event (its blank line included), ``sse``: its class."""
-        if (
-            sse.kind != "content"
-            or sse.usage is not None
-            or sse.error is not None
-            or event.count(b"\n") != 2
-            or b"\r" in event
-        ):
-            return
-        start = event.find(b'"content":"') + 11
-        end = event.find(b'"', start)
-        if start < 11 or end <= start or event[end + 1 : end + 2] not in (b",", b"}"):
-            return
-        # the event's only LFs are its last two bytes (it ends with its blank line): the
-        # suffix holds both, and neither part holds a CR
-        self.prefix, self.suffix = event[:start], event[end:]
-        self.prefix_len, self.suffix_len = start, len(event) - end
-        self.quotes = self.prefix.count(b'"') + self.suffix.count(b'"')
-
-    def fits(self, piece: bytes) -> bool:
-        """Whether ``piece`` is one plain content chunk of this shape."""
-        start = self.prefix_len
-        end = len(piece) - self.suffix_len
-        return (
-            0 < start < end
-            and piece.startswith(self.prefix)
-            and piece.endswith(self.suffix)
-            and _NOT_IN_TEXT.search(piece, start, end) is None
-        )
-
-    def all_fit(self, pieces: list[bytes]) -> bool:
-        """``fits`` for every piece, at C speed: each piece begins with the prefix, ends
-        with the suffix and is longer than both, so the quotes and LFs of the joined
-        pieces are the prefixes' and suffixes' exactly when no text holds one."""
-        n = len(pieces)
-        if not self.prefix_len or min(map(len, pieces)) <= self.prefix_len + self.suffix_len:
-            return False
-        if not all(map(bytes.startswith, pieces, repeat(self.prefix))):
-            return False
-        if not all(map(bytes.endswith, pieces, repeat(self.suffix))):
-            return False
-        joined = b"".join(pieces)
-        return (
-            joined.count(b'"') == n * self.quotes
-            and joined.count(b"\n") == 2 * n
-            and joined.find(b"\r") < 0
-        )
-
-
-_NOT_IN_TEXT = re.compile(rb'["\r\n]')
-
-
-class SseObserver:
-    """The SSE events of a response, a batch of pieces at a time: ``sse.SseSplitter`` with
-    shortcuts.
-
-    ``batch`` gives the events of the pieces that are not plain content chunks of the
-    connection's ``ContentShape`` (by index; each of the others is one ``content`` event
-    with no finish_reason, usage or error), the same as ``SseSplitter.feed`` piece by
-    piece would: a piece that is one whole event (an event per chunk: the usual) is
-    classified alone and may teach the shape; anything else goes through the splitter.
-    While the splitter holds the beginning of an event (``held``), every piece must go to
-    it. The pieces between the first and the last plain chunk of a batch are tested
-    together (``ContentShape.all_fit``): an engine's specials (role, finish, usage,
-    ``[DONE]``) come first and last. ``tests/test_addon_trace.py`` checks ``batch``
-    against the splitter.
-    """
-
-    __slots__ = ("held", "shape", "splitter")
-
-    def __init__(self, shape: ContentShape) -> None:
-        self.splitter = SseSplitter()
-        self.shape = shape
-        self.held = False  # the splitter holds the beginning of an event
-
-    @property
-    def pending(self) -> int:
-        return self.splitter.pending
-
-    def batch(self, pieces: list[bytes]) -> list[tuple[int, list[SseEvent]]]:
-        """The events of the pieces that are not plain content chunks, by index."""
-        specials: list[tuple[int, list[SseEvent]]] = []
-        shape, n, i = self.shape, len(pieces), 0
-        while i < n and (self.held or not shape.fits(pieces[i])):
-            specials.append((i, self.feed(pieces[i])))
-            i += 1
-        last = n
-        while last > i and not shape.fits(pieces[last - 1]):
-            last -= 1
-        if last - i > 2 and shape.all_fit(pieces[i:last]):
-            i = last  # nothing held: plain chunks leave the splitter alone
-        for j in range(i, n):
-            piece = pieces[j]
-            if self.held or not shape.fits(piece):
-                specials.append((j, self.feed(piece)))
-        return specials
-
-    def feed(self, piece: bytes) -> list[SseEvent]:
-        if self.held:
-            found = self.splitter.feed(piece)
-            self.held = self.splitter.pending > 0
-            return found
-        if len(piece) > 2 and piece.find(b"\n\n") == len(piece) - 2 and b"\r" not in piece:
-            sse = classify(piece[:-2])
-            self.shape.learn(piece, sse)
-            return [sse]
-        found = self.splitter.feed(piece)
-        self.held = self.splitter.pending > 0
-        return found
 
 
 class _Conn:
@@ -1272,80 +1135,3 @@ def _client_closes(http_version: str, connection: list[bytes]) -> bool:
         if b"keep-alive" in tokens:
             return False
     return http_version not in ("HTTP/1.1", "HTTP/2.0")
-
-
-# ---- the wire between mitmproxy's process and the capture process ----------------------
-
-_LENGTH = struct.Struct("<I")
-
-
-def frame(facts: list[tuple[Any, ...]]) -> bytes:
-    """One batch of facts as the capture process reads it."""
-    data = marshal.dumps(facts)
-    return _LENGTH.pack(len(data)) + data
-
-
-def read_frames(stream: IO[bytes]) -> Iterator[list[tuple[Any, ...]]]:
-    """The batches of facts on ``stream`` until it ends (a torn last frame is dropped)."""
-    while True:
-        head = stream.read(_LENGTH.size)
-        if len(head) < _LENGTH.size:
-            return
-        (size,) = _LENGTH.unpack(head)
-        data = stream.read(size)
-        if len(data) < size:
-            return
-        facts: list[tuple[Any, ...]] = marshal.loads(data)
-        yield facts
-
-
-def open_engine(path: str, settings: Settings, header: dict[str, Any]) -> FlowObserver:
-    """The engine writing the capture at ``path``: the new (empty) file the addon made."""
-    writer = CaptureWriter(Path(path).expanduser(), append=settings.tap)
-    return FlowObserver(writer, settings, header)
-
-
-def run_capture_process(stream: IO[bytes]) -> int:
-    """The capture process: the first frame opens the capture, the facts that follow are
-    applied; the stream's end without a ``close`` fact (mitmproxy killed) closes it."""
-    frames = read_frames(stream)
-    first = next(frames, None)
-    if not first or first[0][0] != "open":
-        log.error("tracer capture process: no capture to open")
-        return 2
-    _, path, settings, header = first[0]
-    try:
-        engine = open_engine(path, Settings(**settings), header)
-    except OSError as exc:
-        log.error("tracer capture process: cannot open %s: %s", path, exc.strerror or exc)
-        return 1
-    apply = engine.apply
-    for facts in chain([first[1:]], frames):
-        for fact in facts:
-            apply(fact)
-        if engine.closed:
-            return 0
-    engine.apply(("close", time.monotonic(), "mitmproxy went away"))
-    return 0
-
-
-def _off_mitmproxys_cores() -> None:
-    """Keep to the cores mitmproxy (the parent) is not pinned to, when there are any:
-    the point of this process is to leave mitmproxy's core to mitmproxy."""
-    try:
-        ours = os.sched_getaffinity(0)
-        others = set(range(os.cpu_count() or 1)) - os.sched_getaffinity(os.getppid())
-        if others and others != ours:
-            os.sched_setaffinity(0, others)
-    except (OSError, AttributeError):  # (Linux only)
-        pass
-
-
-def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="[tracer capture] %(message)s")
-    _off_mitmproxys_cores()
-    return run_capture_process(sys.stdin.buffer)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

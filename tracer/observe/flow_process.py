@@ -1,0 +1,98 @@
+"""The capture process of the mitmproxy addon (``python -m tracer.observe.flow_process``): facts
+arrive in frames on stdin from mitmproxy's process, and a ``FlowObserver`` turns them into
+the capture, on a core mitmproxy is not pinned to."""
+
+from __future__ import annotations
+
+import logging
+import marshal
+import os
+import struct
+import sys
+import time
+from collections.abc import Iterator
+from itertools import chain
+from pathlib import Path
+from typing import IO, Any
+
+from ..capture.files import CaptureWriter
+from .flows import FlowObserver, Settings
+
+log = logging.getLogger("tracer.observe.flows")
+
+
+# ---- the wire between mitmproxy's process and the capture process ----------------------
+
+_LENGTH = struct.Struct("<I")
+
+
+def frame(facts: list[tuple[Any, ...]]) -> bytes:
+    """One batch of facts as the capture process reads it."""
+    data = marshal.dumps(facts)
+    return _LENGTH.pack(len(data)) + data
+
+
+def read_frames(stream: IO[bytes]) -> Iterator[list[tuple[Any, ...]]]:
+    """The batches of facts on ``stream`` until it ends (a torn last frame is dropped)."""
+    while True:
+        head = stream.read(_LENGTH.size)
+        if len(head) < _LENGTH.size:
+            return
+        (size,) = _LENGTH.unpack(head)
+        data = stream.read(size)
+        if len(data) < size:
+            return
+        facts: list[tuple[Any, ...]] = marshal.loads(data)
+        yield facts
+
+
+def open_engine(path: str, settings: Settings, header: dict[str, Any]) -> FlowObserver:
+    """The engine writing the capture at ``path``: the new (empty) file the addon made."""
+    writer = CaptureWriter(Path(path).expanduser(), append=settings.tap)
+    return FlowObserver(writer, settings, header)
+
+
+def run_capture_process(stream: IO[bytes]) -> int:
+    """The capture process: the first frame opens the capture, the facts that follow are
+    applied; the stream's end without a ``close`` fact (mitmproxy killed) closes it."""
+    frames = read_frames(stream)
+    first = next(frames, None)
+    if not first or first[0][0] != "open":
+        log.error("tracer capture process: no capture to open")
+        return 2
+    _, path, settings, header = first[0]
+    try:
+        engine = open_engine(path, Settings(**settings), header)
+    except OSError as exc:
+        log.error("tracer capture process: cannot open %s: %s", path, exc.strerror or exc)
+        return 1
+    apply = engine.apply
+    for facts in chain([first[1:]], frames):
+        for fact in facts:
+            apply(fact)
+        if engine.closed:
+            return 0
+    engine.apply(("close", time.monotonic(), "mitmproxy went away"))
+    return 0
+
+
+def _off_mitmproxys_cores() -> None:
+    """Keep to the cores mitmproxy (the parent) is not pinned to, when there are any:
+    the point of this process is to leave mitmproxy's core to mitmproxy."""
+    try:
+        ours = os.sched_getaffinity(0)
+        others = set(range(os.cpu_count() or 1)) - os.sched_getaffinity(os.getppid())
+        if others and others != ours:
+            os.sched_setaffinity(0, others)
+    except (OSError, AttributeError):  # (Linux only)
+        pass
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="[tracer capture] %(message)s")
+    _off_mitmproxys_cores()
+    return run_capture_process(sys.stdin.buffer)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,142 @@
+"""How the mitmproxy capture process reads a stream's SSE from mitmproxy's body pieces:
+``ContentShape`` (a shortcut past ``sse.classify`` for an engine's plain content chunks)
+and ``SseObserver`` (the splitter and the counts, per flow)."""
+
+from __future__ import annotations
+
+import re
+from itertools import repeat
+
+from ..protocol.sse import SseEvent, SseSplitter, classify
+
+
+class ContentShape:
+    """The shape of a stream's plain content chunks: a shortcut past ``sse.classify``.
+
+    An engine writes its content chunks alike: the same bytes before the generated
+    text (``data: {"id":"…",…"delta":{"content":"``) and after it (``"},…}`` and the
+    blank line). Once ``sse.classify`` has called one such one-line event a plain
+    ``content`` chunk (no finish_reason, usage or error), any event made of the same
+    prefix, a non-empty text without ``"``, CR or LF, and the same suffix gets the same
+    answer from it: the classifier's patterns all begin with a ``"``, so none can start
+    inside the text, and the suffix (which must go on with ``,`` or ``}`` after the
+    closing quote) cannot complete one that began before. ``SseObserver`` checks that in
+    a few byte comparisons per piece, or for a run of pieces at once.
+    """
+
+    __slots__ = ("prefix", "prefix_len", "quotes", "suffix", "suffix_len")
+
+    def __init__(self) -> None:
+        self.prefix = self.suffix = b""
+        self.prefix_len = self.suffix_len = self.quotes = 0
+
+    def learn(self, event: bytes, sse: SseEvent) -> None:
+        """``event``: one whole event (its blank line included), ``sse``: its class."""
+        if (
+            sse.kind != "content"
+            or sse.usage is not None
+            or sse.error is not None
+            or event.count(b"\n") != 2
+            or b"\r" in event
+        ):
+            return
+        start = event.find(b'"content":"') + 11
+        end = event.find(b'"', start)
+        if start < 11 or end <= start or event[end + 1 : end + 2] not in (b",", b"}"):
+            return
+        # the event's only LFs are its last two bytes (it ends with its blank line): the
+        # suffix holds both, and neither part holds a CR
+        self.prefix, self.suffix = event[:start], event[end:]
+        self.prefix_len, self.suffix_len = start, len(event) - end
+        self.quotes = self.prefix.count(b'"') + self.suffix.count(b'"')
+
+    def fits(self, piece: bytes) -> bool:
+        """Whether ``piece`` is one plain content chunk of this shape."""
+        start = self.prefix_len
+        end = len(piece) - self.suffix_len
+        return (
+            0 < start < end
+            and piece.startswith(self.prefix)
+            and piece.endswith(self.suffix)
+            and _NOT_IN_TEXT.search(piece, start, end) is None
+        )
+
+    def all_fit(self, pieces: list[bytes]) -> bool:
+        """``fits`` for every piece, at C speed: each piece begins with the prefix, ends
+        with the suffix and is longer than both, so the quotes and LFs of the joined
+        pieces are the prefixes' and suffixes' exactly when no text holds one."""
+        n = len(pieces)
+        if not self.prefix_len or min(map(len, pieces)) <= self.prefix_len + self.suffix_len:
+            return False
+        if not all(map(bytes.startswith, pieces, repeat(self.prefix))):
+            return False
+        if not all(map(bytes.endswith, pieces, repeat(self.suffix))):
+            return False
+        joined = b"".join(pieces)
+        return (
+            joined.count(b'"') == n * self.quotes
+            and joined.count(b"\n") == 2 * n
+            and joined.find(b"\r") < 0
+        )
+
+
+_NOT_IN_TEXT = re.compile(rb'["\r\n]')
+
+
+class SseObserver:
+    """The SSE events of a response, a batch of pieces at a time: ``sse.SseSplitter`` with
+    shortcuts.
+
+    ``batch`` gives the events of the pieces that are not plain content chunks of the
+    connection's ``ContentShape`` (by index; each of the others is one ``content`` event
+    with no finish_reason, usage or error), the same as ``SseSplitter.feed`` piece by
+    piece would: a piece that is one whole event (an event per chunk: the usual) is
+    classified alone and may teach the shape; anything else goes through the splitter.
+    While the splitter holds the beginning of an event (``held``), every piece must go to
+    it. The pieces between the first and the last plain chunk of a batch are tested
+    together (``ContentShape.all_fit``): an engine's specials (role, finish, usage,
+    ``[DONE]``) come first and last. ``tests/test_addon_trace.py`` checks ``batch``
+    against the splitter.
+    """
+
+    __slots__ = ("held", "shape", "splitter")
+
+    def __init__(self, shape: ContentShape) -> None:
+        self.splitter = SseSplitter()
+        self.shape = shape
+        self.held = False  # the splitter holds the beginning of an event
+
+    @property
+    def pending(self) -> int:
+        return self.splitter.pending
+
+    def batch(self, pieces: list[bytes]) -> list[tuple[int, list[SseEvent]]]:
+        """The events of the pieces that are not plain content chunks, by index."""
+        specials: list[tuple[int, list[SseEvent]]] = []
+        shape, n, i = self.shape, len(pieces), 0
+        while i < n and (self.held or not shape.fits(pieces[i])):
+            specials.append((i, self.feed(pieces[i])))
+            i += 1
+        last = n
+        while last > i and not shape.fits(pieces[last - 1]):
+            last -= 1
+        if last - i > 2 and shape.all_fit(pieces[i:last]):
+            i = last  # nothing held: plain chunks leave the splitter alone
+        for j in range(i, n):
+            piece = pieces[j]
+            if self.held or not shape.fits(piece):
+                specials.append((j, self.feed(piece)))
+        return specials
+
+    def feed(self, piece: bytes) -> list[SseEvent]:
+        if self.held:
+            found = self.splitter.feed(piece)
+            self.held = self.splitter.pending > 0
+            return found
+        if len(piece) > 2 and piece.find(b"\n\n") == len(piece) - 2 and b"\r" not in piece:
+            sse = classify(piece[:-2])
+            self.shape.learn(piece, sse)
+            return [sse]
+        found = self.splitter.feed(piece)
+        self.held = self.splitter.pending > 0
+        return found
