@@ -49,6 +49,7 @@ class CaptureInfo:
     types: Counter[str] = field(default_factory=Counter)
     header: dict[str, Any] = field(default_factory=dict)
     topology: dict[str, Any] | None = None
+    bound: str | None = None  # where the tap's clients connected (its --listen may say :0)
     first_t: float | None = None
     last_t: float | None = None
     end: dict[str, Any] | None = None
@@ -71,6 +72,7 @@ class CaptureInfo:
             "tap": h.get("tap"),
             "tap_kind": h.get("kind"),
             "listen": h.get("listen"),
+            "bound": self.bound,
             "upstream": h.get("upstream"),
             "upstream_role": _role(h, self.topology),
             "client_facing": bool(h.get("client_facing"))
@@ -153,6 +155,8 @@ def _count(info: CaptureInfo, record: dict[str, Any]) -> None:
         info.dropped = max(info.dropped, _int(record.get("dropped")))
     elif kind == "topology" and info.topology is None:
         info.topology = record
+    elif kind == "conn_open" and info.bound is None and isinstance(record.get("local"), str):
+        info.bound = record["local"]
 
 
 def _int(value: Any) -> int:
@@ -186,6 +190,7 @@ def text(info: CaptureInfo) -> str:
         f"{names}: tracer capture v{j['version']} (written by tracer {j['tracer_version']})",
         f"  tap       {j['tap']} ({j['tap_kind']})"
         + (f", listening on {j['listen']}" if j["listen"] else "")
+        + (f" (bound {j['bound']})" if j["bound"] and j["bound"] != j["listen"] else "")
         + (f" -> {j['upstream']}" if j["upstream"] else ""),
     ]
     if j["upstream_role"] or j["client_facing"]:
