@@ -18,23 +18,33 @@ time. Schema and memory model: ``captures/ANALYSIS.md``.
 
 from __future__ import annotations
 
-import heapq
-import operator
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, fields
+from collections import Counter
+from dataclasses import asdict
 from typing import Any
 
 from .. import events as ev
 from ..redact import redact_target, scrub_text
 from ..times import iso
-from ..wording import counted
+from .caveats import _caveats
 from .findings import Evidence, find
+from .request_headers import PROBE_HEADER, _header, _retry_count
 from .rows import BUNCH_GAP as BUNCH_GAP
 from .rows import ZERO_GAP as ZERO_GAP
 from .rows import ConnectionRow as ConnectionRow
 from .rows import RequestRow as RequestRow
-from .spill import ChunkLog, SortedSpool
+from .spill import ChunkLog
+from .tables import (
+    _CONNECTION_VALUES,
+    _REQUEST_VALUES,
+    ConnKey,
+    RequestKey,
+    Rows,
+    Table,
+    _connection_from,
+    _request_from,
+    connection_order,
+    request_order,
+)
 
 SCHEMA = "tracer.analysis/4"
 SPILL_ROWS = 4096  # finished rows held in memory before a sorted run goes to disk
@@ -42,47 +52,6 @@ RECENT_ROWS = 1024  # finished rows that late events can still update
 FINISHED_KEYS = 16384  # keys of rows written out, remembered to ignore late events
 CLIENT_FAILURES_KEPT = 20  # client connections failed before a first request, quoted
 MAX_LAGS = 10_000  # tap_lag records kept (one a second at most per tap)
-
-
-RequestKey = tuple[str, int, int]
-ConnKey = tuple[str, int]
-
-
-def request_order(r: RequestRow) -> tuple[str, int, int]:
-    """The requests table's order."""
-    return (r.tap, r.conn, r.seq)
-
-
-def connection_order(c: ConnectionRow) -> tuple[str, float, int]:
-    """The connections table's order."""
-    return (c.tap, c.opened, c.conn)
-
-
-_REQUEST_VALUES = operator.attrgetter(*(f.name for f in fields(RequestRow)))
-_CONNECTION_VALUES = operator.attrgetter(*(f.name for f in fields(ConnectionRow)))
-
-
-RETRY_HEADER = "x-stainless-retry-count"  # sent by the openai SDKs on every attempt
-# a tap's own request (a probe on stall, the topology fingerprint), naming the tap: seen
-# by the taps behind it, it is not the client's traffic and stays out of the tables
-PROBE_HEADER = "x-tracer-probe"
-
-
-def _header(headers: list[Any], wanted: str) -> str | None:
-    for name, value in headers:
-        if len(name) == len(wanted) and name.lower() == wanted:
-            return str(value)
-    return None
-
-
-def _retry_count(headers: list[Any]) -> int | None:
-    """The openai SDK's attempt number: a retry sends the same body again, and only this
-    tells it from the first attempt when the client sends no ``x-request-id``."""
-    value = _header(headers, RETRY_HEADER)
-    try:
-        return None if value is None else int(value)
-    except ValueError:
-        return None
 
 
 def _declared(start: ev.CaptureStart) -> dict[str, Any] | None:
@@ -96,136 +65,6 @@ def _declared(start: ev.CaptureStart) -> dict[str, Any] | None:
         "client_facing": bool(start.client_facing),
         "server": None,
     }
-
-
-def _request_from(values: list[Any]) -> RequestRow:
-    return RequestRow(*values)
-
-
-def _connection_from(values: list[Any]) -> ConnectionRow:
-    return ConnectionRow(*values)
-
-
-class Rows[T]:
-    """A table's rows in table order, read again at every iteration; ``len()`` counts them.
-
-    What ``Summary.result()`` gives as ``requests`` and ``connections``: iterate it (as
-    often as needed), never index it.
-    """
-
-    def __init__(self, source: Callable[[], Iterator[T]], count: int) -> None:
-        self._source, self._count = source, count
-
-    def __iter__(self) -> Iterator[T]:
-        return self._source()
-
-    def __len__(self) -> int:
-        return self._count
-
-    def __bool__(self) -> bool:
-        return self._count > 0
-
-    def __eq__(self, other: object) -> bool:
-        """Equal to rows or a list with the same items in the same order (streamed)."""
-        if not isinstance(other, Rows | list):
-            return NotImplemented
-        if len(self) != len(other):
-            return False
-        return all(a == b for a, b in zip(self, other, strict=True))
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"<Rows: {self._count}>"
-
-
-class Table[K, T]:
-    """One table of a ``Summary``: the rows still in memory and those written out.
-
-    Read-only and mapping-like (``values()``, ``items()``, ``len()``, ``get(key)``); the
-    rows come in table order.
-    """
-
-    def __init__(
-        self,
-        key: Callable[[T], K],
-        order: Callable[[T], Any],
-        encode: Callable[[T], Any],
-        decode: Callable[[list[Any]], T],
-        *,
-        spill: int,
-        recent: int,
-        remember: int,
-    ) -> None:
-        self._key, self._order = key, order
-        self.open: dict[K, T] = {}
-        self.recent: OrderedDict[K, T] = OrderedDict()  # finished, still updatable
-        self.finished: OrderedDict[K, None] = OrderedDict()  # keys of rows written out
-        self.store: SortedSpool[T] = SortedSpool(order, encode, decode, limit=spill)
-        self._recent_limit, self._remember = recent, remember
-
-    def lookup(self, key: K) -> tuple[T | None, bool]:
-        """The row if it is in memory; else whether the key is one of a row written out."""
-        row = self.open.get(key)
-        if row is None:
-            row = self.recent.get(key)
-        return row, row is None and key in self.finished
-
-    def start(self, key: K, row: T) -> None:
-        """A new row; it replaces one with the same key that is still in memory."""
-        self.open.pop(key, None)
-        self.recent.pop(key, None)
-        self.finished.pop(key, None)
-        self.open[key] = row
-
-    def finish(self, key: K) -> T | None:
-        """The row is complete; it stays updatable until ``recent`` more have finished.
-
-        Returns a row written out to make room, if one was.
-        """
-        row = self.open.pop(key, None)
-        if row is None:
-            return None
-        self.recent[key] = row
-        if len(self.recent) <= self._recent_limit:
-            return None
-        old_key, old = self.recent.popitem(last=False)
-        self.store.add(old)
-        self.finished[old_key] = None
-        if len(self.finished) > self._remember:
-            self.finished.popitem(last=False)
-        return old
-
-    def live(self) -> list[T]:
-        return [*self.open.values(), *self.recent.values()]
-
-    def __len__(self) -> int:
-        return len(self.store) + len(self.open) + len(self.recent)
-
-    def __iter__(self) -> Iterator[K]:
-        return (self._key(row) for row in self.values())
-
-    def values(self) -> Rows[T]:
-        def rows() -> Iterator[T]:
-            live = sorted(self.live(), key=self._order)
-            if not len(self.store):
-                return iter(live)
-            return heapq.merge(self.store, live, key=self._order)
-
-        return Rows(rows, len(self))
-
-    def items(self) -> Rows[tuple[K, T]]:
-        return Rows(lambda: ((self._key(r), r) for r in self.values()), len(self))
-
-    def get(self, key: K) -> T | None:
-        """The row with this key (a scan of the rows written out when it is not in memory)."""
-        row, _ = self.lookup(key)
-        if row is None:
-            row = next((r for r in self.store if self._key(r) == key), None)
-        return row
-
-    def close(self) -> None:
-        self.store.close()
 
 
 class _Totals:
@@ -746,48 +585,6 @@ class Summary:
             },
             "topology": evidence.topology,
         }
-
-
-def _caveats(
-    captures: list[dict[str, Any]], taps: dict[str, dict[str, Any]], lost: int
-) -> list[dict[str, Any]]:
-    """What the captures may be missing, said beside the verdict (``kind``, the figures,
-    ``text``): records the writer lost, lines that could not be read, a cut last line, a
-    capture with no end (its tap killed, or still writing: what was in flight then is
-    unknown)."""
-    out: list[dict[str, Any]] = []
-    dropped = max(lost, sum(int(t.get("dropped") or 0) for t in taps.values()))
-    if dropped:
-        text = (
-            f"{counted(dropped, 'record')} lost by the capture writer (disk full or too slow): what "
-            "they said is missing from this analysis"
-        )
-        out.append({"kind": "records_lost", "count": dropped, "text": text})
-    for c in captures:
-        if c.get("bad_lines"):
-            first = (c.get("problems") or [None])[0]
-            text = f"{c['path']}: {c['bad_lines']} line(s) could not be read and were skipped"
-            out.append(
-                {
-                    "kind": "bad_lines",
-                    "capture": c["path"],
-                    "count": c["bad_lines"],
-                    "first": first,
-                    "text": text + (f" (first: {first})" if first else ""),
-                }
-            )
-        if c.get("torn_tail"):
-            text = f"{c['path']}: its last line is cut (the writer stopped mid-line)"
-            out.append({"kind": "torn_tail", "capture": c["path"], "text": text})
-    for name in sorted(taps):
-        if taps[name].get("ended") is None:
-            text = (
-                f"tap {name}: no capture_end — the tap is still running (a live capture: "
-                "stop it for the whole story) or was killed; what was in flight at the "
-                "capture's end is unknown"
-            )
-            out.append({"kind": "no_capture_end", "tap": name, "text": text})
-    return out
 
 
 def _as_dicts(rows: Rows[Any]) -> Rows[dict[str, Any]]:

@@ -23,52 +23,21 @@ Load behaves like load: see ``scheduler.py``.
 
 Per-request headers: ``x-sim-tokens`` (output tokens), ``x-sim-ttft`` (this request's first
 token comes that long after admission, outside the prefill batch), ``x-sim-itl`` (this
-request's own token gap; at least one decode step), ``x-sim-fault`` (a fault spec, below,
-or ``none``).
+request's own token gap; at least one decode step), ``x-sim-fault`` (a fault spec, see
+below, or ``none``).
 
-Faults (``parse_fault``): ``NAME[:ARG...][@RULE,...]``, the spelling of ``tracer proxy
---fault`` (``faultspec``; ``docs/faults.md``). The arguments are named and may be given by
-position too (``stall:after=3:for=10`` = ``stall:3:10``):
-
-=========================  =============================================================
-``stall[:after][:for]``    after ``after`` tokens (default 1) the request gets no tokens
-                           for ``for`` seconds (default 30); it stays in the running
-                           batch, other requests go on
-``wedge[:after][:for]``    after ``after`` tokens the whole scheduler stops for ``for``
-                           seconds: no tokens for anyone, gauges and counters frozen,
-                           ``/v1/loads`` waits
-``lost``                   the request is read and never answered; it is neither running
-                           nor queued
-``close[:after]``          after ``after`` content chunks (0: right after the response
-                           head) the connection is closed with FIN, without the
-                           terminating chunk
-``reset[:after]``          the same with RST
-``500``                    HTTP 500 with SGLang's JSON error body, before any stream
-``error[:after]``          after ``after`` content chunks, ``data: {"error": {...}}``,
-                           ``data: [DONE]`` and a clean end of the chunked body
-                           (SGLang's abort)
-=========================  =============================================================
-
-Rules (``--fault`` only) on the engine's completion counter (1, 2, 3 ...): ``every=N``
-(completions N, 2N, ...), ``nth=K`` (completion K only), ``from=K`` (K and later),
-``times=N`` (at most N injections), ``prob=P[,seed=S]``; none means every completion.
-The first fault whose rules match wins. ``x-sim-fault`` chooses its own request's fault
-(no rules) and overrides ``--fault``. Examples: ``stall:after=3:for=10@every=5``,
-``lost@nth=2``, ``reset:after=0@from=4``.
+Faults (``parse_fault``, ``FAULT_KINDS``, ``RULE_KEYS``): see ``engine_faults``, which says
+what each one does, how it is spelled and which completions its rules choose.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
-import socket
-import struct
 import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from email.utils import formatdate
 from typing import Any, Literal
 
 import anyio
@@ -78,98 +47,27 @@ from anyio.abc import SocketAttribute, SocketStream, TaskStatus
 
 from ..errors import start_error
 from ..faults.spec import FaultSpecError as FaultSpecError  # (re-exported: parse_fault's)
-from ..faults.spec import bind_args, counter_rules, fail, rule_keys, split_spec, to_int, to_seconds
+from .engine_faults import FAULT_KINDS as FAULT_KINDS  # (re-exported: the tests')
+from .engine_faults import RULE_KEYS as RULE_KEYS
+from .engine_faults import Fault as Fault
+from .engine_faults import parse_fault as parse_fault
+from .http1 import (
+    _SOCKET_ERRORS,
+    _bad_request,
+    _Hangup,
+    _read_request,
+    _send_body,
+    _send_json,
+    _server_headers,
+    _set_linger_zero,
+    _watch_client,
+)
+from .openai_bodies import _chunk, _Ctx, _dumps, _error_obj, _prompt_tokens, _token, _usage
 from .scheduler import EngineType, Scheduler, SchedulerConfig, SimRequest
 
 log = structlog.get_logger("tracer.sim.engine")
 
-FAULT_KINDS = ("stall", "wedge", "lost", "close", "reset", "500", "error")
-FAULT_ARGS: dict[str, tuple[str, ...]] = {  # each fault's arguments, in positional order
-    "stall": ("after", "for"),
-    "wedge": ("after", "for"),
-    "lost": (),
-    "close": ("after",),
-    "reset": ("after",),
-    "500": (),
-    "error": ("after",),
-}
-FAULT_USAGE = {
-    kind: kind + "".join(f"[:{a}={'S' if a == 'for' else 'N'}]" for a in args) + "[@RULE,...]"
-    for kind, args in FAULT_ARGS.items()
-}
-RULE_KEYS: dict[str, str] = rule_keys("engine")  # the engine's rules (faultspec.RULES)
 SIM_VERSION = "0.5.6"  # what /server_info and /v1/loads report as the SGLang version
-
-
-@dataclass(frozen=True)
-class Fault:
-    """One engine fault: what it does (kind, after, seconds) and its rules."""
-
-    kind: str
-    after: int = 1
-    seconds: float = 30.0
-    every: int | None = None
-    nth: int | None = None
-    start: int | None = None  # from=
-    times: int | None = None
-    prob: float | None = None
-    seed: int = 0
-
-    def matches(self, seq: int) -> bool:
-        """The counter rules (every, nth, from) for completion ``seq``; ``times`` and
-        ``prob`` are counted by the engine (``SimEngine._fault_for``)."""
-        if self.nth is not None and seq != self.nth:
-            return False
-        if self.every is not None and seq % self.every != 0:
-            return False
-        return not (self.start is not None and seq < self.start)
-
-    def __str__(self) -> str:
-        parts = [self.kind]
-        if "after" in FAULT_ARGS[self.kind]:
-            parts.append(f"after={self.after}")
-        if "for" in FAULT_ARGS[self.kind]:
-            parts.append(f"for={self.seconds:g}")
-        rules = [
-            f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}"
-            for key, value in (
-                ("every", self.every),
-                ("nth", self.nth),
-                ("from", self.start),
-                ("times", self.times),
-                ("prob", self.prob),
-                ("seed", self.seed if self.prob is not None and self.seed else None),
-            )
-            if value is not None
-        ]
-        return ":".join(parts) + (f"@{','.join(rules)}" if rules else "")
-
-
-def parse_fault(spec: str, *, rules: bool = True) -> Fault:
-    """``NAME[:ARG...][@RULE,...]`` (``faultspec``'s spelling) to a ``Fault``; raises
-    ``FaultSpecError`` (a ``ValueError``). ``rules=False``: a spec that chooses the fault
-    of its own request (``x-sim-fault``), where rules have no meaning."""
-    parts = split_spec(spec, FAULT_KINDS, "engine")
-    kind, text = parts.name, parts.text
-    if parts.at and not rules:
-        raise fail(
-            text,
-            "x-sim-fault takes no rules",
-            f"the header chooses the fault of its own request: write {text.partition('@')[0]}",
-        )
-    args = bind_args(parts, FAULT_ARGS[kind], FAULT_USAGE[kind])
-    values: dict[str, Any] = {}
-    if "after" in args:
-        values["after"] = to_int(text, "after", args["after"], 0)
-    if "for" in args:
-        values["seconds"] = to_seconds(text, "for", args["for"], finite=False)
-    counters = counter_rules(parts)
-    for key, value in counters.items():
-        if key == "prob":
-            values["prob"] = float(value)
-        else:
-            values["start" if key == "from" else key] = int(value)
-    return Fault(kind=kind, **values)
 
 
 @dataclass
@@ -210,32 +108,6 @@ class EngineConfig:
             token_counters=self.token_counters,
             startup_time=self.startup,
         )
-
-
-class _Hangup(Exception):
-    """End the connection without a complete response (FIN, or RST when ``reset``)."""
-
-    def __init__(self, reset: bool) -> None:
-        super().__init__("reset" if reset else "close")
-        self.reset = reset
-
-
-_SOCKET_ERRORS = (
-    anyio.BrokenResourceError,
-    anyio.EndOfStream,
-    anyio.ClosedResourceError,
-    OSError,
-)
-
-
-@dataclass
-class _Ctx:
-    chat: bool
-    rid: str
-    created: int
-    model: str
-    finish: str
-    include_usage: bool
 
 
 class SimEngine:
@@ -724,158 +596,3 @@ class SimEngine:
             },
         )
         return "done"
-
-
-# ---- helpers ---------------------------------------------------------------------------
-
-
-def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def _chunk(ctx: _Ctx, delta: dict[str, Any] | None, finish: str | None = None) -> bytes:
-    """One SSE event as SGLang's pydantic models serialize it (compact, nulls kept)."""
-    if ctx.chat:
-        full = {"role": None, "content": None, "reasoning_content": None, "tool_calls": None}
-        full.update(delta or {})
-        choice: dict[str, Any] = {
-            "index": 0,
-            "delta": full,
-            "logprobs": None,
-            "finish_reason": finish,
-            "matched_stop": None,
-        }
-        obj = "chat.completion.chunk"
-    else:
-        choice = {
-            "index": 0,
-            "text": (delta or {}).get("content", ""),
-            "logprobs": None,
-            "finish_reason": finish,
-            "matched_stop": None,
-        }
-        obj = "text_completion"
-    body = {
-        "id": ctx.rid,
-        "object": obj,
-        "created": ctx.created,
-        "model": ctx.model,
-        "choices": [choice],
-        "usage": None,
-    }
-    return b"data: " + _dumps(body) + b"\n\n"
-
-
-def _usage(prompt: int, completion: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt,
-        "total_tokens": prompt + completion,
-        "completion_tokens": completion,
-        "prompt_tokens_details": None,
-        "reasoning_tokens": 0,
-    }
-
-
-def _error_obj(message: str, kind: str, code: int) -> dict[str, Any]:
-    return {"object": "error", "message": message, "type": kind, "param": None, "code": code}
-
-
-def _token(i: int) -> str:
-    return f"tok{i} "
-
-
-def _prompt_tokens(payload: dict[str, Any]) -> int:
-    messages = payload.get("messages")
-    if isinstance(messages, list):
-        text = " ".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
-    else:
-        text = str(payload.get("prompt", ""))
-    return max(1, len(text) // 4)
-
-
-def _server_headers() -> list[tuple[str, str]]:
-    return [("date", formatdate(usegmt=True)), ("server", "uvicorn")]
-
-
-async def _send_body(
-    conn: h11.Connection, stream: SocketStream, status: int, ctype: str, body: bytes
-) -> None:
-    head = h11.Response(
-        status_code=status,
-        headers=[
-            *_server_headers(),
-            ("content-length", str(len(body))),
-            ("content-type", ctype),
-        ],
-    )
-    await stream.send((conn.send(head) or b"") + (conn.send(h11.Data(data=body)) or b""))
-    await stream.send(conn.send(h11.EndOfMessage()) or b"")
-
-
-async def _send_json(conn: h11.Connection, stream: SocketStream, status: int, obj: Any) -> None:
-    await _send_body(conn, stream, status, "application/json", _dumps(obj))
-
-
-async def _bad_request(conn: h11.Connection, stream: SocketStream) -> None:
-    """What uvicorn answers to bytes that are not HTTP/1.x."""
-    body = b"Invalid HTTP request received."
-    try:
-        if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-            await _send_body(conn, stream, 400, "text/plain; charset=utf-8", body)
-    except (*_SOCKET_ERRORS, h11.LocalProtocolError):
-        pass
-
-
-async def _watch_client(
-    conn: h11.Connection, stream: SocketStream, scope: anyio.CancelScope
-) -> None:
-    """While a response is produced: a client that closes aborts the request."""
-    try:
-        while True:
-            conn.receive_data(await stream.receive())  # pipelined bytes wait in h11
-    except (*_SOCKET_ERRORS, h11.RemoteProtocolError):
-        scope.cancel()
-
-
-def _set_linger_zero(stream: SocketStream) -> None:
-    try:
-        sock = stream.extra(SocketAttribute.raw_socket)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    except (OSError, anyio.TypedAttributeLookupError):
-        pass
-
-
-async def _read_request(
-    conn: h11.Connection, stream: SocketStream, idle: float
-) -> tuple[h11.Request, bytes] | None:
-    """The next request, or None when the client closes or stays idle ``idle`` seconds."""
-    request: h11.Request | None = None
-    body = bytearray()
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            data = b""
-            if request is None and not conn.trailing_data[0]:
-                with anyio.move_on_after(idle), contextlib.suppress(anyio.EndOfStream):
-                    data = await stream.receive()
-                if not data:
-                    return None  # idle keep-alive timeout, or the client closed
-            else:
-                try:
-                    data = await stream.receive()
-                except anyio.EndOfStream:
-                    data = b""
-            conn.receive_data(data)
-            continue
-        if isinstance(event, h11.Request):
-            request = event
-            if conn.they_are_waiting_for_100_continue:
-                await stream.send(
-                    conn.send(h11.InformationalResponse(status_code=100, headers=[])) or b""
-                )
-        elif isinstance(event, h11.Data):
-            body += event.data
-        elif isinstance(event, h11.EndOfMessage):
-            return (request, bytes(body)) if request is not None else None
-        else:
-            return None

@@ -61,15 +61,9 @@ from anyio.abc import SocketStream
 
 from .. import events as ev
 from ..capture.files import expand_captures, read_events
-from .engine import (
-    _SOCKET_ERRORS,
-    EngineConfig,
-    SimEngine,
-    _error_obj,
-    _Hangup,
-    _send_json,
-    _watch_client,
-)
+from .engine import EngineConfig, SimEngine
+from .http1 import _SOCKET_ERRORS, _Hangup, _send_json, _watch_client
+from .openai_bodies import _error_obj
 
 Ending = Literal["complete", "close", "reset", "hold", "never"]
 

@@ -20,7 +20,8 @@ from typing import Any
 
 import orjson
 
-from .bench import HEADLINE, SCHEMA, lookup
+from .bench import SCHEMA
+from .bench_figures import HEADLINE, lookup
 
 EXIT_INPUT = 3
 

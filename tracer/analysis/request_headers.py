@@ -1,0 +1,31 @@
+"""The request headers the analysis reads: the SDK's retry count, a tap's own probe.
+
+Apart from the fold (``summary``) because they are facts of the clients and the taps
+(header names and their spelling), not of the rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+RETRY_HEADER = "x-stainless-retry-count"  # sent by the openai SDKs on every attempt
+# a tap's own request (a probe on stall, the topology fingerprint), naming the tap: seen
+# by the taps behind it, it is not the client's traffic and stays out of the tables
+PROBE_HEADER = "x-tracer-probe"
+
+
+def _header(headers: list[Any], wanted: str) -> str | None:
+    for name, value in headers:
+        if len(name) == len(wanted) and name.lower() == wanted:
+            return str(value)
+    return None
+
+
+def _retry_count(headers: list[Any]) -> int | None:
+    """The openai SDK's attempt number: a retry sends the same body again, and only this
+    tells it from the first attempt when the client sends no ``x-request-id``."""
+    value = _header(headers, RETRY_HEADER)
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None
