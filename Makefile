@@ -24,8 +24,9 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check $(LINT_DIRS)
 	$(BIN)/mypy
 
+# tests/unit, tests/integration, tests/e2e; two workers (`pytest -m "not e2e"`: the quick loop)
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2
 
 # The peers and wrk come from Debian; py-spy only for `--profile`.
 bench: $(STAMP)

@@ -1,25 +1,27 @@
-"""Shared test fixtures: a tap in-process, a scripted raw upstream, capture reading."""
+"""Fixtures for every kind of test; helpers that are not fixtures are in tests/support/.
+
+tests/unit: sans-I/O (recorded bytes, no socket, no process: its conftest makes both fail);
+tests/integration: real sockets on 127.0.0.1 and real processes (the tap, the simulated
+engine, mitmdump, the CLI); tests/e2e (marked ``e2e``): whole systems (the demo, the real
+router's chain, nginx hops, mitmdump end to end). ``pytest -m "not e2e"`` is the quick loop.
+"""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager, suppress
-from dataclasses import dataclass, field
+import socket
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import anyio
 import pytest
-from anyio.abc import SocketAttribute, SocketStream, TaskStatus
+import structlog
 
-from tracer import events as ev
-from tracer.capture.files import CaptureWriter, read_events
-from tracer.proxy.relay import Tap, TapConfig
+E2E = Path(__file__).parent / "e2e"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:  # whatever lives in tests/e2e is e2e, marked in its file or not
+        if E2E in item.path.parents and item.get_closest_marker("e2e") is None:
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture
@@ -27,191 +29,28 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def analyze_json(*captures: Path | str, timeout: float = 60) -> dict[str, Any]:
-    """``tracer analyze CAPTURE... --format json`` run as a user runs it, parsed."""
-    done = subprocess.run(
-        [sys.executable, "-m", "tracer", "analyze", *map(str, captures), "--format", "json"],
-        capture_output=True,
-        check=True,
-        timeout=timeout,
-    )
-    return dict(json.loads(done.stdout))
+@pytest.fixture
+def refused_port() -> Iterator[int]:
+    """A loopback port where connections are refused: bound, never listening, and held
+    for the test (so no one else takes it meanwhile)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield int(s.getsockname()[1])
 
 
-# ---- a scripted raw upstream ----------------------------------------------------------
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A loopback port something else listens on, for the test's length."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield int(s.getsockname()[1])
 
 
-@dataclass
-class UpConn:
-    """One connection the upstream accepted: what it received, and how it ended."""
-
-    index: int
-    received: bytearray = field(default_factory=bytearray)
-    eof: bool = False
-    reset: bool = False
-    changed: anyio.Event = field(default_factory=anyio.Event)
-
-    def _bump(self) -> None:
-        self.changed.set()
-        self.changed = anyio.Event()
-
-    async def wait_for(self, predicate: Callable[[UpConn], bool], timeout: float = 5.0) -> None:
-        with anyio.fail_after(timeout):
-            while not predicate(self):
-                await self.changed.wait()
-
-
-Script = Callable[[SocketStream, UpConn], Awaitable[None]]
-
-
-class RawUpstream:
-    """A TCP server whose per-connection behaviour is a test-provided coroutine.
-
-    A background reader records everything received, so scripts can wait for bytes
-    with ``conn.wait_for(...)`` while they write whatever they like.
-    """
-
-    def __init__(self, script: Script) -> None:
-        self.script = script
-        self.conns: list[UpConn] = []
-        self.port = 0
-        self.accepted = anyio.Event()
-
-    async def serve(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
-        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
-        self.port = int(listener.extra(SocketAttribute.local_port))
-        task_status.started(self.port)
-        async with listener:
-            await listener.serve(self._handle)
-
-    async def _handle(self, stream: SocketStream) -> None:
-        conn = UpConn(index=len(self.conns) + 1)
-        self.conns.append(conn)
-        self.accepted.set()
-        async with stream, anyio.create_task_group() as tg:
-
-            async def reader() -> None:
-                while True:
-                    try:
-                        data = await stream.receive()
-                    except anyio.EndOfStream:
-                        conn.eof = True
-                        conn._bump()
-                        return
-                    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                        conn.reset = True
-                        conn._bump()
-                        return
-                    conn.received += data
-                    conn._bump()
-
-            tg.start_soon(reader)
-            with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                await self.script(stream, conn)
-            tg.cancel_scope.cancel()
-
-
-# ---- a tap in-process -----------------------------------------------------------------
-
-
-@dataclass
-class TapHandle:
-    tap: Tap
-    port: int
-    capture: Path
-    live: list[ev.Event] = field(default_factory=list)  # every event, as emitted
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def events(self) -> list[ev.Event]:
-        """The capture file's events (complete once the tap context has exited)."""
-        return list(read_events(self.capture))
-
-    def of(self, cls: type[Any]) -> list[Any]:
-        """Live events of one type, in emission order."""
-        return [e for e in self.live if isinstance(e, cls)]
-
-    async def wait_for(
-        self, cls: type[Any], count: int = 1, timeout: float = 5.0, **match: Any
-    ) -> list[Any]:
-        """Wait until ``count`` live events of ``cls`` (with matching fields) were emitted."""
-
-        def found() -> list[Any]:
-            return [e for e in self.of(cls) if all(getattr(e, k) == v for k, v in match.items())]
-
-        await wait_until(lambda: len(found()) >= count, timeout)
-        return found()
-
-
-@asynccontextmanager
-async def running_tap(
-    upstream_port: int, tmp_path: Path, **config: Any
-) -> AsyncIterator[TapHandle]:
-    path = tmp_path / f"tap-{time.monotonic_ns()}.jsonl"
-    writer = CaptureWriter(path, flush_interval=0.005)
-    cfg = TapConfig(
-        "127.0.0.1", 0, "127.0.0.1", upstream_port, name=config.pop("name", "t"), **config
-    )
-    tap = Tap(cfg, capture=writer)
-    writer.write(tap.header())
-    handle: TapHandle | None = None
-    try:
-        async with anyio.create_task_group() as tg:
-            bound = await tg.start(tap.serve)
-            handle = TapHandle(tap=tap, port=bound[0][1], capture=path)
-            tap.bus.add("test", handle.live.append)
-            yield handle
-            tap.stop()
-            tg.cancel_scope.cancel()
-    finally:
-        writer.finish(cfg.name, "test done")
-
-
-async def wait_until(
-    predicate: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01
-) -> None:
-    """Poll with a deadline (for state that offers no event to wait on)."""
-    with anyio.fail_after(timeout):
-        while not predicate():
-            await anyio.sleep(interval)
-
-
-async def wait_closed(handle: TapHandle, count: int, timeout: float = 5.0) -> None:
-    """Wait until the tap has recorded ``count`` closed connections."""
-
-    def closed() -> bool:
-        return handle.tap.stats.connections_total - handle.tap.stats.connections_open >= count
-
-    await wait_until(closed, timeout)
-
-
-async def recv_until(
-    stream: SocketStream, predicate: Callable[[bytes], bool], timeout: float = 5.0
-) -> bytes:
-    buf = bytearray()
-    with anyio.fail_after(timeout):
-        while not predicate(bytes(buf)):
-            try:
-                buf += await stream.receive()
-            except anyio.EndOfStream:
-                break
-    return bytes(buf)
-
-
-async def recv_all(stream: SocketStream, timeout: float = 5.0) -> tuple[bytes, str]:
-    """Read to the end; returns the bytes and how it ended: 'fin' or 'reset'."""
-    buf = bytearray()
-    with anyio.fail_after(timeout):
-        while True:
-            try:
-                buf += await stream.receive()
-            except anyio.EndOfStream:
-                return bytes(buf), "fin"
-            except (anyio.BrokenResourceError, OSError):
-                return bytes(buf), "reset"
-
-
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+@pytest.fixture
+def in_process() -> Iterator[None]:
+    """For a test that calls the CLI's ``main`` in this process: ``main`` configures
+    structlog (for capsys' stderr); put it back as it was."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)

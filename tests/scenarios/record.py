@@ -8,7 +8,7 @@ always ``--token-counters finish``, as SGLang counts), taps (``tracer proxy``), 
 SGLang router (``smg``), nginx, haproxy — drives them with the openai SDK (the harness of
 ``tracer sim harness``) or httpx, stops them, and writes the taps' captures and an
 ``expect.json`` to ``tests/data/scenarios/<case>/`` (replacing what was there only once
-the case has finished). ``tests/test_scenarios.py`` analyses them in-process.
+the case has finished). ``tests/unit/test_scenarios.py`` analyses them in-process.
 
 Every process is started here and stopped by its own id; ports come from binding port 0;
 each case has a time limit. Logs and configs stay in a temporary directory (``--keep``

@@ -12,7 +12,10 @@ from ..wording import counted
 
 
 def _caveats(
-    captures: list[dict[str, Any]], taps: dict[str, dict[str, Any]], lost: int
+    captures: list[dict[str, Any]],
+    taps: dict[str, dict[str, Any]],
+    lost: int,
+    packet_losses: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """What the captures may be missing, said beside the verdict (``kind``, the figures,
     ``text``): records the writer lost, lines that could not be read, a cut last line, a
@@ -26,6 +29,8 @@ def _caveats(
             "they said is missing from this analysis"
         )
         out.append({"kind": "records_lost", "count": dropped, "text": text})
+    for reason in packet_losses or []:
+        out.append({"kind": "packet_capture_loss", "text": reason})
     for c in captures:
         if c.get("bad_lines"):
             first = (c.get("problems") or [None])[0]

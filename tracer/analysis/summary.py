@@ -112,6 +112,7 @@ class Summary:
         )
         self.taps: dict[str, dict[str, Any]] = {}
         self.capture_losses = 0
+        self.packet_losses: list[str] = []  # what a packet capture says it missed
         self.events = 0
         self.late_events = 0  # events for a row already written out: counted, ignored
         self.first_t: float | None = None
@@ -397,6 +398,10 @@ class Summary:
                 if tap is not None:
                     tap["ended"] = event.t
                     tap["dropped"] = event.dropped
+            case ev.CaptureLoss() if event.reason.startswith("packet capture"):
+                # a pcap's own losses (kernel drops, snaplen, gaps), not the writer's
+                if len(self.packet_losses) < 5:
+                    self.packet_losses.append(f"tap {event.tap}: {event.reason}")
             case ev.CaptureLoss():
                 self.capture_losses += event.dropped
             case _:
@@ -536,7 +541,7 @@ class Summary:
             lags=self.lags,
         )
         findings, verdict = find(evidence)
-        caveats = _caveats(captures or [], self.taps, self.capture_losses)
+        caveats = _caveats(captures or [], self.taps, self.capture_losses, self.packet_losses)
         if caveats:
             verdict["caveats"] = caveats
             if verdict["party"] == "none":  # an all-clear over missing records is not high

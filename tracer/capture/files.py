@@ -509,8 +509,6 @@ def file_kind(path: str | os.PathLike[str]) -> str:
 
 def not_a_capture(path: str | os.PathLike[str], kind: str) -> str:
     """The one line that says what a file is instead of a capture."""
-    if kind in ("pcap", "pcapng"):
-        return f"{path}: a {kind} file (tcpdump): this tracer does not read packet captures yet"
     if kind == "missing":
         return f"{path}: no such file"
     if kind == "directory":
@@ -587,8 +585,30 @@ def event_from_record(
     return ev.from_record(record)
 
 
-def read_events(path: str | os.PathLike[str], stats: ReadStats | None = None) -> Iterator[ev.Event]:
+@dataclass(frozen=True)
+class PacketOptions:
+    """How a packet capture (pcap, pcapng) is read as taps: the server ports whose
+    connections to follow (none: every stream whose first bytes are a request), or one tap
+    per server port (``--tap-by-port 8000=front,30000=back``)."""
+
+    ports: tuple[int, ...] = ()
+    taps: tuple[tuple[int, str], ...] = ()
+
+
+PACKETS = PacketOptions()
+
+
+def read_events(
+    path: str | os.PathLike[str],
+    stats: ReadStats | None = None,
+    packets: PacketOptions = PACKETS,
+) -> Iterator[ev.Event]:
+    """The events of a capture: a tracer capture's records, or what a tap would have
+    written for a packet capture's HTTP/1.1 connections (``observe/pcap.py``)."""
     stats = stats if stats is not None else ReadStats()
+    if file_kind(path) in ("pcap", "pcapng"):
+        yield from _packet_events(path, stats, packets)
+        return
     bodies = BodyResolver()
     for record in read_records(path, stats):
         try:
@@ -603,15 +623,51 @@ def read_events(path: str | os.PathLike[str], stats: ReadStats | None = None) ->
         yield event
 
 
-def read_into(path: str | os.PathLike[str], feed: Callable[[ev.Event], None]) -> ReadStats:
-    """Every event of a capture to ``feed`` (an analysis); a file that cannot be read is
-    a ``CaptureError`` naming it."""
+def _packet_events(
+    path: str | os.PathLike[str], stats: ReadStats, packets: PacketOptions
+) -> Iterator[ev.Event]:
+    """A packet capture's events, counted in ``stats`` as a capture's records are."""
+    from ..observe.pcap import PcapError, PcapStats, events_from_pcap, events_from_pcap_by_port
+
+    seen = PcapStats()
+    connections = 0
+    try:
+        if packets.taps:
+            events = events_from_pcap_by_port(path, dict(packets.taps), stats=seen)
+        else:
+            events = events_from_pcap(path, ports=packets.ports or None, stats=seen)
+        for event in events:
+            stats.records += 1
+            if isinstance(event, ev.CaptureStart):
+                stats.version = ev.CAPTURE_VERSION
+                stats.headers.append(event.to_record())
+            elif isinstance(event, ev.ConnOpen):
+                connections += 1
+            yield event
+    except PcapError as exc:
+        raise CaptureError(str(exc) if str(path) in str(exc) else f"{path}: {exc}") from None
+    stats.torn_tail = bool(seen.torn_tail)
+    if not connections:  # nothing to analyse is not an all-clear
+        where = f" to port {', '.join(map(str, packets.ports))}" if packets.ports else ""
+        raise CaptureError(
+            f"{path}: a {seen.format or 'packet'} capture with no HTTP/1.1 connection{where} "
+            f"in it ({seen.frames} packets); --port names the server's port"
+        )
+
+
+def read_into(
+    path: str | os.PathLike[str],
+    feed: Callable[[ev.Event], None],
+    packets: PacketOptions = PACKETS,
+) -> ReadStats:
+    """Every event of a capture (or a packet capture) to ``feed`` (an analysis); a file
+    that cannot be read is a ``CaptureError`` naming it."""
     stats = ReadStats()
     kind = file_kind(path)
-    if kind not in ("capture", "text"):  # text: read on, to count what does not parse
+    if kind not in ("capture", "text", "pcap", "pcapng"):  # text: to count what fails
         raise CaptureError(not_a_capture(path, kind))
     try:
-        for event in read_events(path, stats):
+        for event in read_events(path, stats, packets):
             feed(event)
     except OSError as exc:
         raise CaptureError(f"cannot read {path}: {exc.strerror or exc}") from exc

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..analysis.summary import Summary
 from ..arguments import non_negative_int
-from ..capture.files import expand_captures, read_into
+from ..capture.files import PacketOptions, expand_captures, read_into
 from ..times import parse_time
 from ..wording import counted
 from .render import write_json, write_markdown, write_text
@@ -37,7 +37,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         metavar="CAPTURE",
         help="capture files of one incident (one per tap; a rotated capture's segments or "
-        "its folder; pcap files are not read yet)",
+        "its folder; pcap and pcapng files from tcpdump too)",
     )
     parser.add_argument(
         "--format",
@@ -77,6 +77,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="TAP",
         help="this tap's clients are the harness itself (no proxy in front)",
     )
+    packet_arguments(parser)
     rows = parser.add_argument_group("filters (the rows and findings shown)")
     rows.add_argument("--since", metavar="TIME", help="from this time (as --hang-at)")
     rows.add_argument("--until", metavar="TIME", help="to this time (as --hang-at)")
@@ -99,10 +100,43 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def packet_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a pcap or pcapng file (tcpdump) is read as taps."""
+    group = parser.add_argument_group("packet captures (pcap, pcapng from tcpdump)")
+    group.add_argument(
+        "--port",
+        action="append",
+        type=int,
+        default=[],
+        metavar="PORT",
+        help="follow the connections to this server port (repeatable; default: every "
+        "stream whose first bytes are an HTTP request)",
+    )
+    group.add_argument(
+        "--tap-by-port",
+        metavar="PORT=TAP,...",
+        help="one tap per server port, e.g. 8000=front,30000=back (a capture taken on the "
+        "router's host, both sides of it, is then read as two taps)",
+    )
+
+
+def packet_options(args: argparse.Namespace) -> PacketOptions:
+    taps: dict[int, str] = {}
+    if getattr(args, "tap_by_port", None):
+        from ..observe.passive import parse_tap_by_port
+
+        taps = parse_tap_by_port(args.tap_by_port)  # ValueError: a usage error
+    for port in getattr(args, "port", []):
+        if not 0 < port < 65536:
+            raise ValueError(f"--port {port}: not a port number")
+    return PacketOptions(ports=tuple(getattr(args, "port", [])), taps=tuple(taps.items()))
+
+
 def run(args: argparse.Namespace) -> int:
+    packets = packet_options(args)
     with Summary() as summary:  # (rows spilled to temporary files are released on exit)
         captures = [
-            read_into(path, summary.feed).describe(Path(path).name)
+            read_into(path, summary.feed, packets).describe(Path(path).name)
             for path in expand_captures(args.captures)
         ]
         first, last = summary.first_t, summary.last_t

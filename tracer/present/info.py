@@ -26,11 +26,14 @@ from typing import Any
 import orjson
 
 from ..capture.files import (
+    PACKETS,
     CaptureError,
+    PacketOptions,
     ReadStats,
     expand_captures,
     file_kind,
     not_a_capture,
+    read_events,
     read_records,
 )
 
@@ -50,6 +53,12 @@ class CaptureInfo:
     header: dict[str, Any] = field(default_factory=dict)
     topology: dict[str, Any] | None = None
     bound: str | None = None  # where the tap's clients connected (its --listen may say :0)
+
+    @property
+    def packets(self) -> bool:
+        """A packet capture (pcap, pcapng), read as the taps it holds."""
+        return self.kind.startswith("pcap")
+
     first_t: float | None = None
     last_t: float | None = None
     end: dict[str, Any] | None = None
@@ -112,16 +121,23 @@ def _span(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round(b - a, 3)
 
 
-def inspect(files: list[str]) -> CaptureInfo:
+def inspect(files: list[str], packets: PacketOptions = PACKETS) -> CaptureInfo:
     """Read one capture (its segments in order) to the end, tolerating anything."""
     info = CaptureInfo(files=files)
     for name in files:
         kind = file_kind(name)
-        if kind not in ("capture", "text"):  # text: read on, to count what does not parse
+        if kind not in ("capture", "text", "pcap", "pcapng"):  # text: to count what fails
             info.kind, info.problem = kind, not_a_capture(name, kind)
             return info
+        if kind in ("pcap", "pcapng"):
+            info.kind = f"{kind} file, read as the tap(s) it holds"
+        records = (
+            (e.to_record() for e in read_events(name, info.stats, packets))
+            if kind in ("pcap", "pcapng")
+            else read_records(name, info.stats)
+        )
         try:
-            for record in read_records(name, info.stats):
+            for record in records:
                 _count(info, record)
         except CaptureError as exc:
             info.kind, info.problem = "not a tracer capture", str(exc)
@@ -187,7 +203,12 @@ def text(info: CaptureInfo) -> str:
         return f"NOT A CAPTURE: {info.problem}\n"
     j = info.to_json()
     lines = [
-        f"{names}: tracer capture v{j['version']} (written by tracer {j['tracer_version']})",
+        f"{names}: {info.kind}"
+        + (
+            f" v{j['version']} (written by tracer {j['tracer_version']})"
+            if not info.packets
+            else ""
+        ),
         f"  tap       {j['tap']} ({j['tap_kind']})"
         + (f", listening on {j['listen']}" if j["listen"] else "")
         + (f" (bound {j['bound']})" if j["bound"] and j["bound"] != j["listen"] else "")
@@ -233,10 +254,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--format", choices=["text", "json"], default="text", help="text for people, json"
     )
+    from .analyze import packet_arguments
+
+    packet_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    infos = [inspect(files) for files in group(list(args.captures))]
+    from .analyze import packet_options
+
+    packets = packet_options(args)
+    infos = [inspect(files, packets) for files in group(list(args.captures))]
     if args.format == "json":
         doc = {"schema": "tracer.info/1", "captures": [i.to_json() for i in infos]}
         sys.stdout.buffer.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"\n")

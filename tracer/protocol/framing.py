@@ -1,15 +1,22 @@
-"""Sans-I/O HTTP/1.1 message-body framing decoder (RFC 9112 §6-7), for observing.
+"""Sans-I/O HTTP/1.1 message-body framing (RFC 9112 §6-7): the one body walker.
 
 Why not h11 for bodies: h11 is a two-party state machine that turns every chunk into
 an event through several layers; the observer only needs to know where a body's bytes
 are and where the body ends, once per read, at a few microseconds. h11 still parses
-every head (``sniff.py``); this module takes over between a head and the end of its
-body, and is as strict as h11 0.16 about chunk framing (CRLF after the size line and
-after the data), so what it calls malformed is what h11-based clients reject.
+every head the observer sees (``observe/wire.py``); this module takes over between a head
+and the end of its body, and is as strict as h11 0.16 about chunk framing (CRLF after
+the size line and after the data), so what it calls malformed is what h11-based clients
+reject. The observer, the fault layer and the request-id injector all walk bodies with
+``BodyDecoder``, so they agree on where a body ends and on what is malformed.
 
 ``BodyDecoder.feed(data)`` returns the body bytes found, the number of data chunks
 that started, and, once the body has ended, how many of the fed bytes it used (the rest is the
-start of the next message).
+start of the next message). ``BodyDecoder.walk(data, pos, parts)`` is the same walk
+for code that passes the raw bytes on, cut where the framing is (the fault layer): it
+says where the body ends and, in ``parts``, what each stretch of bytes is (``Part``).
+
+``body_framing`` and ``request_framing`` say, from a head's headers, how its body is
+delimited.
 """
 
 from __future__ import annotations
@@ -19,6 +26,14 @@ from collections.abc import Iterable
 from typing import Literal
 
 Framing = Literal["length", "chunked", "close", "none"]
+PartKind = Literal["size", "data", "crlf", "end"]
+Part = tuple[int, PartKind, bool]
+"""What a stretch of a body's raw bytes is, for ``BodyDecoder.walk``: (where it ends in
+the bytes walked, its kind, whether a chunk's data or its CRLF ends there). It starts
+where the one before it ends (the first: where the walk started). Kinds: ``size`` a
+chunk-size line, ``data`` body bytes, ``crlf`` the CRLF after a chunk's data, ``end``
+the last chunk's size line and the trailer section. A line cut across reads is one part
+in each read; a ``size`` part can be the start of the last chunk's line."""
 
 MAX_CHUNK_LINE = 4096  # a chunk-size line (with extensions) longer than this is malformed
 MAX_TRAILERS = 64 * 1024
@@ -51,7 +66,9 @@ class FramingError(Exception):
 def body_framing(
     method: str, status: int, headers: Iterable[tuple[bytes, bytes]]
 ) -> tuple[Framing, int]:
-    """How a response body is delimited: (framing, content length)."""
+    """How a response body is delimited: (framing, content length). ``headers``: names in
+    lower case. A Content-Length that is not a number is a ``FramingError`` (h11 refuses
+    it before the observer gets here; the fault layer's heads are not h11's)."""
     if method == "HEAD" or status < 200 or status in (204, 304):
         return "none", 0
     transfer_encoding: bytes | None = None
@@ -60,6 +77,8 @@ def body_framing(
         if name == b"transfer-encoding":
             transfer_encoding = value.lower()
         elif name == b"content-length":
+            if not value.isdigit():
+                raise FramingError(f"bad content-length {value[:40]!r}")
             length = int(value)
     if transfer_encoding is not None:
         codings = [c.strip() for c in transfer_encoding.split(b",")]
@@ -69,6 +88,26 @@ def body_framing(
     if length is not None:
         return ("length", length) if length else ("none", 0)
     return "close", 0
+
+
+def request_framing(headers: Iterable[tuple[bytes, bytes]]) -> tuple[Framing, int]:
+    """How a request body is delimited: (framing, content length); a request cannot be
+    read until close, so a Transfer-Encoding whose last coding is not chunked, and a
+    Content-Length that is not a number, are a ``FramingError``. ``headers``: names in
+    lower case; Transfer-Encoding wins over Content-Length, the last of each counts."""
+    framing: Framing = "none"
+    length = 0
+    for name, value in headers:
+        if name == b"transfer-encoding":
+            if value.lower().split(b",")[-1].strip() != b"chunked":
+                raise FramingError("request body without chunked framing")
+            framing = "chunked"
+        elif name == b"content-length" and framing != "chunked":
+            if not value.isdigit():
+                raise FramingError(f"bad content-length {value[:40]!r}")
+            length = int(value)
+            framing = "length" if length else "none"
+    return framing, length
 
 
 class BodyDecoder:
@@ -99,7 +138,56 @@ class BodyDecoder:
             self._remaining = 0
             self.done = True
             return [data[:used]], 0, used
-        return self._chunked(data)
+        pieces: list[bytes] = []
+        self._count = 0
+        try:
+            used = self._chunked(data, 0, pieces, None)
+        except FramingError as exc:
+            exc.pieces, exc.chunks = pieces, self._count
+            raise
+        return pieces, self._count, used
+
+    def walk(self, data: bytes, pos: int, parts: list[Part] | None = None) -> int:
+        """``feed`` for ``data[pos:]`` without copying the body out: returns where in
+        ``data`` the body ends (``len(data)`` while it goes on). ``parts``, when given,
+        gets what each stretch of those bytes is (``Part``), up to that end."""
+        n = len(data)
+        if self.done or pos >= n:
+            return pos
+        if self.framing == "close":
+            if parts is not None:
+                parts.append((n, "data", False))
+            return n
+        if self.framing == "length":
+            take = min(self._remaining, n - pos)
+            self._remaining -= take
+            self.done = self._remaining == 0
+            if parts is not None:
+                parts.append((pos + take, "data", False))
+            return pos + take
+        self._count = 0
+        if parts is None and self._state == "size" and not self._line:
+            pos = self._skip_chunks(data, pos)
+            if pos >= n:
+                return pos
+        return self._chunked(data, pos, None, parts)
+
+    def _skip_chunks(self, data: bytes, pos: int) -> int:
+        """Whole data chunks from ``data[pos:]``, a few byte operations each; stops at
+        anything else (a chunk cut by the read's end, the last chunk, a malformed line),
+        which is ``_chunked``'s to read."""
+        n = len(data)
+        while pos < n:
+            eol = data.find(b"\r\n", pos, pos + MAX_CHUNK_LINE)
+            if eol < 0:
+                break
+            size = chunk_size(data[pos:eol])
+            end = eol + 2 + (size or 0)
+            if not size or data[end : end + 2] != b"\r\n":
+                break
+            self._count += 1
+            pos = end + 2
+        return pos
 
     def eof(self) -> None:
         """The connection ended: fine for a close-delimited body, a cut otherwise."""
@@ -112,61 +200,66 @@ class BodyDecoder:
             raise FramingError(f"peer closed with {self._remaining} body bytes still expected")
         raise FramingError("peer closed inside a chunked body (incomplete chunked read)")
 
-    def _chunked(self, data: bytes) -> tuple[list[bytes], int, int]:
-        pieces: list[bytes] = []
-        self._count = 0
-        try:
-            used = self._chunked_into(data, pieces)
-        except FramingError as exc:
-            exc.pieces, exc.chunks = pieces, self._count
-            raise
-        return pieces, self._count, used
-
-    def _chunked_into(self, data: bytes, pieces: list[bytes]) -> int:
-        """Parse chunked framing; returns the bytes of ``data`` used."""
-        pos = 0
-        end = len(data)
-        if self._line:
-            data = self._line + data
-            pos = 0
-            end = len(data)
-            carried = len(self._line)
+    def _chunked(
+        self, data: bytes, start: int, pieces: list[bytes] | None, parts: list[Part] | None
+    ) -> int:
+        """Chunked framing from ``data[start:]``: returns where in ``data`` the body ends
+        (``len(data)`` if not there). ``pieces`` gets the body's bytes, ``parts`` what
+        each stretch is (positions in ``data``)."""
+        carried = len(self._line)
+        if carried:  # a line begun in an earlier read: parsed again from its start
+            buf = self._line + data[start:]
             self._line = b""
+            pos = 0
+            base = start - carried  # a position in buf is this one in data
         else:
-            carried = 0
+            buf = data
+            pos = start
+            base = 0
+        end = len(buf)
         while pos < end:
             state = self._state
             if state == "data":
                 take = min(self._remaining, end - pos)
-                pieces.append(data[pos : pos + take])
+                if pieces is not None:
+                    pieces.append(buf[pos : pos + take])
                 pos += take
                 self._remaining -= take
                 if self._remaining == 0:
                     self._state = "data_crlf"
+                if parts is not None:
+                    parts.append((pos + base, "data", self._remaining == 0))
                 continue
             if state == "data_crlf":
                 if end - pos < 2:
-                    if data[pos:end] != b"\r"[: end - pos]:
-                        raise FramingError("chunk data not followed by CRLF", pos - carried)
-                    self._line = data[pos:end]
+                    if buf[pos:end] != b"\r"[: end - pos]:
+                        raise FramingError("chunk data not followed by CRLF", pos + base - start)
+                    self._line = buf[pos:end]
+                    if parts is not None:
+                        parts.append((end + base, "crlf", False))
                     pos = end
                     break
-                if data[pos : pos + 2] != b"\r\n":
-                    raise FramingError("chunk data not followed by CRLF", pos - carried)
+                if buf[pos : pos + 2] != b"\r\n":
+                    raise FramingError("chunk data not followed by CRLF", pos + base - start)
                 pos += 2
                 self._state = "size"
+                if parts is not None:
+                    parts.append((pos + base, "crlf", True))
                 continue
-            nl = data.find(b"\r\n", pos)
+            nl = buf.find(b"\r\n", pos)
             if nl < 0:
-                rest = data[pos:end]
+                rest = buf[pos:end]
                 if len(rest) > (MAX_TRAILERS if state == "trailer" else MAX_CHUNK_LINE):
-                    raise FramingError(f"chunk {state} line too long", pos - carried)
+                    raise FramingError(f"chunk {state} line too long", pos + base - start)
                 self._line = rest
+                if parts is not None:
+                    parts.append((end + base, "size" if state == "size" else "end", False))
                 pos = end
                 break
-            line = data[pos:nl]
-            line_at = pos - carried
+            line = buf[pos:nl]
+            line_at = pos + base - start
             pos = nl + 2
+            kind: PartKind = "end"
             if state == "size":
                 size = chunk_size(line)
                 if len(line) > MAX_CHUNK_LINE or size is None:
@@ -175,10 +268,13 @@ class BodyDecoder:
                     self._count += 1  # data chunks only: the last chunk is not counted
                     self._remaining = size
                     self._state = "data"
+                    kind = "size"
                 else:
                     self._state = "trailer"
-            else:  # trailer lines until an empty line
-                if not line:
-                    self.done = True
-                    return pos - carried
-        return end - carried
+            elif not line:  # trailer lines until an empty line
+                self.done = True
+            if parts is not None:
+                parts.append((pos + base, kind, False))
+            if self.done:
+                return pos + base
+        return end + base

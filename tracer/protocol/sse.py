@@ -7,6 +7,9 @@ is not kept: the rest of it is only counted, and it is reported as ``other`` whe
 blank line comes. Classification is one pass of one regular expression that finds the
 keys of interest and the first byte of each value; JSON is parsed only for the rare
 events that need a value (usage, error): a content chunk costs no ``json.loads``.
+
+``SseSplitter`` is the one splitter: the observers take its events, the fault layer
+also where each ends in the bytes it passes on.
 """
 
 from __future__ import annotations
@@ -66,25 +69,40 @@ class SseEvent:
 
 
 class SseSplitter:
-    """Feed body bytes, get completed events; ``pending`` says whether an event is cut."""
+    """Feed body bytes, get completed events; ``pending`` says whether an event is cut.
 
-    __slots__ = ("_buf", "_skipped")
+    ``feed(data, ends)`` also says where in ``data`` each event ends, for code that cuts
+    the bytes there (the fault layer): a position after the event's blank line (0 when
+    that ended in an earlier piece: a CR is held until the next byte says whether a LF
+    follows). Finding those positions needs the held bytes as they came, so with a CR
+    among them a blank line is then any two line ends, read by one regular expression;
+    without ``ends``, the bytes are rewritten with LF first and a blank line is ``\n\n``,
+    as it is without a CR. Both ways give the same events."""
+
+    __slots__ = ("_buf", "_held", "_skipped")
 
     def __init__(self) -> None:
-        self._buf = b""
-        self._skipped = 0  # bytes dropped from an event over MAX_EVENT
+        self._buf = b""  # the event in progress (its line ends as they came, or as LF)
+        self._held = 0  # its size, line ends counted as one
+        self._skipped = 0  # bytes dropped from an event over MAX_EVENT (line ends as one)
 
     @property
     def pending(self) -> int:
-        return len(self._buf) + self._skipped
+        return self._held + self._skipped
 
-    def feed(self, data: bytes) -> list[SseEvent]:
-        buf = self._buf + data if self._buf else data
-        if b"\r" in buf:  # CRLF and a lone CR end a line too; a last CR waits for its LF
+    def feed(self, data: bytes, ends: list[int] | None = None) -> list[SseEvent]:
+        """The events ``data`` completes; ``ends``, when given, gets where each ends."""
+        prev = len(self._buf)
+        buf = self._buf + data if prev else data
+        if b"\r" in buf:
+            if ends is not None:
+                return self._split_cr(buf, prev, ends)
+            # CRLF and a lone CR end a line too; a last CR waits for its LF
             cr = buf.endswith(b"\r")
             buf = (buf[:-1] if cr else buf).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
             if cr:
                 buf += b"\r"
+            prev = 0  # (not used without ends)
         events: list[SseEvent] = []
         start = 0
         find = buf.find
@@ -97,13 +115,61 @@ class SseSplitter:
                 self._skipped = 0
             elif end > start:
                 events.append(classify(buf[start:end]))
+            else:  # an extra blank line
+                start = end + 2
+                continue
             start = end + 2
-        rest = buf[start:]
+            if ends is not None:
+                ends.append(start - prev)
+        rest = buf[start:]  # (no CRLF in it: line ends are LF, but for a last CR)
         if len(rest) > MAX_EVENT:  # keep 2 bytes: they may begin the blank line
             self._skipped += len(rest) - 2
             rest = rest[-2:]
         self._buf = rest
+        self._held = len(rest)
         return events
+
+    def _split_cr(self, buf: bytes, prev: int, ends: list[int]) -> list[SseEvent]:
+        """``feed`` when the bytes have a CR and their positions are wanted."""
+        events: list[SseEvent] = []
+        start = 0
+        at = max(0, prev - 3)  # a blank line cut by the last read starts there or later
+        if at and buf[at - 1] == 13:  # never from the LF of a CRLF
+            at -= 1
+        n = len(buf)
+        while (hit := _BLANK.search(buf, at)) is not None:
+            stop = hit.end()
+            if stop == n and buf[-1] == 13:
+                break  # that CR may be the first half of a CRLF
+            block = buf[start : hit.start()]
+            if self._skipped:
+                size = self._skipped + len(block) - block.count(b"\r\n") + 2
+                events.append(SseEvent(size=size, kind="other"))
+                self._skipped = 0
+            elif block:
+                events.append(classify(block.replace(b"\r\n", b"\n").replace(b"\r", b"\n")))
+            else:  # an extra blank line
+                start = at = stop
+                continue
+            start = at = stop
+            ends.append(stop - prev)
+        rest = buf[start:]
+        size = len(rest) - rest.count(b"\r\n")
+        if size > MAX_EVENT:  # keep 2 line characters: they may begin the blank line
+            cut = len(rest)
+            for _ in range(2):
+                cut -= 2 if rest[cut - 2 : cut] == b"\r\n" else 1
+            self._skipped += size - 2
+            rest = rest[cut:]
+            size = 2
+        self._buf = rest
+        self._held = size
+        return events
+
+
+# two line ends (CRLF, LF or CR; a CRLF is one), the blank line that ends an event: a
+# CRLF, a LF or a CR not before a LF, then any line end (a leading literal: scans fast)
+_BLANK = re.compile(rb"\r\n(?>\r\n|\n|\r)|\n(?>\r\n|\n|\r)|\r(?!\n)(?>\r\n|\n|\r)")
 
 
 def is_event_stream(content_type: bytes) -> bool:

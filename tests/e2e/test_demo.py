@@ -1,0 +1,56 @@
+"""`tracer demo`, as `make demo` runs it: real processes, the verdict, the files it leaves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.support.procs import DEMO_TIMEOUT, tracer_demo
+from tracer.tools.demo import smg_path
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.mark.timeout(DEMO_TIMEOUT + 10)
+@pytest.mark.skipif(smg_path() is None, reason="smg (sglang-router) is not installed")
+def test_the_incident_demo(tmp_path: Path) -> None:
+    done = tracer_demo(tmp_path / "out")
+    out = tmp_path / "out"
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = done.stdout
+    assert "router smg" in text
+    # the verdict, from the report's JSON (its exit code 0 says it is the one expected)
+    verdict = json.loads((out / "incident.json").read_text())["verdict"]
+    assert (verdict["party"], verdict["kind"], verdict["confidence"]) == (
+        "proxy",
+        "proxy_hung_on_reuse",
+        "high",
+    )
+    assert {r["party"] for r in verdict["ruled_out"]} >= {"client", "engine"}
+    # the differential replay: the same connections hang again, fresh ones complete
+    same = next(line for line in text.splitlines() if "replay, same connections" in line)
+    fresh = next(line for line in text.splitlines() if "replay, fresh connections" in line)
+    assert ": reproduced" in same, same
+    assert "not reproduced" in fresh and "6 complete" in fresh, fresh
+    for name in ("front.jsonl", "back.jsonl", "replay-same.jsonl", "replay-fresh.jsonl"):
+        assert (out / name).stat().st_size > 0, name
+    report = (out / "incident.md").read_text()
+    assert "proxy_hung_on_reuse" in report
+    assert "tracer replay" in report
+    assert (out / "incident-timeline.svg").exists()
+
+
+@pytest.mark.timeout(DEMO_TIMEOUT + 10)
+def test_a_healthy_scenario_stays_clean_and_a_client_fault_is_the_client(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = tracer_demo(out, "--scenario", "client-not-reading")
+    assert done.returncode == 0, done.stdout + done.stderr
+    verdict = json.loads((out / "client-not-reading" / "incident.json").read_text())["verdict"]
+    assert (verdict["party"], verdict["kind"]) == ("client", "client_not_reading")
+    assert (out / "client-not-reading" / "tap.jsonl").exists()
+    done = tracer_demo(out, "--scenario", "healthy")
+    assert done.returncode == 0, done.stdout + done.stderr
+    verdict = json.loads((out / "healthy" / "incident.json").read_text())["verdict"]
+    assert (verdict["party"], verdict["kind"]) == ("none", "healthy")

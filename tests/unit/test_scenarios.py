@@ -1,0 +1,85 @@
+"""The attribution scenario matrix (issue 23): captures recorded once from real processes.
+
+Each directory of ``tests/data/scenarios/`` holds the captures of one case (recorded by
+``python -m tests.scenarios.record``: the simulated SGLang engine with SGLang's token
+counting, taps, smg, nginx, haproxy, the openai SDK) and an ``expect.json``: the verdict
+the analysis must reach (party, kind, optionally confidence), kinds that must not appear
+(``fnmatch`` patterns), findings that must (notes included), and whether any fault at all
+is allowed. The analysis runs in-process, as ``tracer analyze --format json`` runs it.
+Only kinds and fields are asserted, never sentences.
+"""
+
+from __future__ import annotations
+
+import json
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tracer.analysis.summary import Summary
+from tracer.capture.files import read_into
+
+SCENARIOS = Path(__file__).parent.parent / "data" / "scenarios"
+CASES = sorted(p.parent.name for p in SCENARIOS.glob("*/expect.json"))
+
+
+def analyze(case: Path, captures: list[str]) -> dict[str, Any]:
+    """What ``tracer analyze CAPTURE... --format json`` computes (tracer/present/analyze.py), in-process."""
+    with Summary() as summary:
+        infos = [read_into(case / name, summary.feed).describe(name) for name in captures]
+        result = summary.result(captures=infos)
+        return {
+            "verdict": dict(result["verdict"]),
+            "findings": [dict(f) for f in result["findings"]],
+            "requests": len(result["requests"]),
+            "chain": result["topology"].get("chain"),
+        }
+
+
+def brief(findings: list[dict[str, Any]]) -> list[tuple[str, str, str, bool]]:
+    return [(f["party"], f["kind"], f["confidence"], bool(f.get("note"))) for f in findings]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_scenario(name: str) -> None:
+    case = SCENARIOS / name
+    expect = json.loads((case / "expect.json").read_text())
+    result = analyze(case, expect["captures"])
+    verdict, findings = result["verdict"], result["findings"]
+    assert result["requests"] > 0
+    shown = (verdict, brief(findings))
+
+    want = expect["verdict"]
+    kinds = want["kind"] if isinstance(want["kind"], list) else [want["kind"]]
+    assert verdict["party"] == want["party"], shown
+    assert verdict["kind"] in kinds, shown
+    if "confidence" in want:
+        assert verdict["confidence"] == want["confidence"], shown
+    if want["party"] != "none":  # the verdict names its finding, which says the same
+        (chosen,) = [f for f in findings if f["id"] == verdict["finding"]]
+        assert (chosen["party"], chosen["kind"]) == (verdict["party"], verdict["kind"])
+        assert chosen["requests"] and chosen["evidence"]
+
+    if "chain" in expect:  # the hops the analysis believes in
+        assert result["chain"] == expect["chain"], result["chain"]
+    for pattern in expect["forbidden"]:
+        bad = [f for f in findings if fnmatch(f["kind"], pattern)]
+        assert not bad, (pattern, shown)
+    for need in expect["required"]:
+        found = [
+            f
+            for f in findings
+            if f["party"] == need["party"]
+            and f["kind"] == need["kind"]
+            and bool(f.get("note")) == bool(need.get("note"))
+        ]
+        assert found, (need, shown)
+    if expect["no_faults"]:
+        assert [f for f in findings if not f.get("note")] == [], shown
+    for f in findings:  # each a sentence of why, and evidence items with their fields
+        assert f["summary"].strip(), f
+        for e in f["evidence"]:
+            assert set(e) == {"text", "t", "tap", "request", "figures"} and e["text"], e
+            assert e["request"] is None or e["request"].startswith(f"{e['tap']}/"), e

@@ -1,0 +1,642 @@
+"""The passive tap: captured packets in, the same events as a tap's out. Sans-I/O.
+
+Theory of operation
+-------------------
+A tap sits inline and sees each connection's bytes as its sockets read them. A capture
+(``tcpdump -w``, or a live packet socket) sees the same bytes as TCP segments, from the
+side. ``PacketTap`` turns the second into the first:
+
+1. ``packets.decode_frame`` takes one link-layer frame (Ethernet, Linux cooked v1 and
+   v2, raw IP, BSD loopback) apart with dpkt, down to an IPv4 or IPv6 TCP segment;
+   anything else is counted and skipped. A packet the capture cut short (snaplen) says
+   so: its IP header gives the length it had on the wire.
+2. ``tcp.TcpTable`` reassembles each connection's two streams (in order, each byte once,
+   gaps marked).
+3. Each connection that carries HTTP/1.1 is followed by its own
+   ``wire.ConnectionObserver``, exactly as the inline tap drives it, with the packet times
+   as its clock (``wall_offset`` 0: ``t`` is the packet time): the client's bytes to
+   ``client_data``, the server's to ``upstream_data``, FIN and RST of each side to
+   ``client_eof`` / ``upstream_eof``, the connection's end to ``close``. The client is the
+   SYN's sender; without a captured SYN, the side whose port is not one of ``ports``, or
+   (no ports given) the side whose bytes start with an HTTP request line, from which on
+   the connection is followed (the bytes before it are counted, not parsed).
+4. Around it, what the tap itself writes per connection: ``conn_open`` (``peer`` the
+   client, ``local`` the server; at the connection's first packet), ``upstream_connect``
+   (``start`` at the client's SYN; ``done`` with the server's address, and the time from
+   SYN to SYN-ACK where both were captured; ``failed`` when the server answered the SYN
+   with a reset; ``local`` is never said: a passive tap has no socket of its own), and
+   ``conn_close`` (who closed first and how, bytes each way). A connection still open at
+   the capture's end is closed by nobody (``closed_by`` ``none``, ``how`` ``unknown``) and
+   what was in flight ends ``in_flight``, as at a tap's stop.
+5. Time only moves with packets: before each packet (and at the end) every connection
+   with a request in flight whose last bytes are ``stall_after`` old is ticked at the
+   moment that became so, so a hang in a capture makes the same ``stall`` records as at a
+   live tap. Passive has no send queue to read: the client is taken as not reading when
+   its last advertised window was zero, and the server's bytes it has not acknowledged
+   stand for the tap's unsent bytes.
+6. Bytes the capture does not have (a gap in a stream) are an ``anomaly`` on the
+   connection, which is no longer parsed (its bytes still counted), and, with the
+   packets the capture cut (snaplen) and those the kernel dropped while capturing (when
+   the file says), ``capture_loss`` records before ``capture_end``.
+
+What passive capture cannot see, and this does not guess: what an application did with
+bytes its kernel acknowledged (read them, or left them in its socket buffer), anything
+inside TLS, and bytes the capture lost (they are marked, not invented).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import re
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, Literal
+
+from .. import __version__
+from .. import events as ev
+from .packets import PassiveStats, Skipped, decode_frame
+from .tcp import (
+    MAX_BUFFER,
+    MAX_PIECES,
+    Closed,
+    Data,
+    Endpoint,
+    Fin,
+    Gap,
+    Item,
+    Opened,
+    Reset,
+    Segment,
+    Syn,
+    TcpConnection,
+    TcpTable,
+)
+from .wire import Bodies, ConnectionObserver
+
+Emit = Callable[[ev.Event], None]
+
+STALL_AFTER = 5.0  # the tap's default --stall-after
+PROBE_BYTES = 8192  # client bytes read to tell whether a stream is HTTP/1.x
+HELD_ITEMS = 256  # data items held per connection while it is undecided (more: skipped)
+
+_REQUEST_LINE = re.compile(rb"[A-Z][A-Z0-9_-]{0,31} [!-~]+ HTTP/1\.[01]\Z")
+# what may still become a request line: a method, maybe a target, maybe a version's start
+_REQUEST_PREFIX = re.compile(rb"[A-Z][A-Z0-9_-]{0,31}(?: [!-~]*(?: H?T?T?P?/?1?\.?[01]?)?)?\r?\Z")
+
+
+def looks_like_request(data: bytes) -> bool | None:
+    """Whether bytes start with an HTTP/1.x request line (None: too few to tell)."""
+    end = data.find(b"\r\n", 0, PROBE_BYTES)
+    if end >= 0:
+        return _REQUEST_LINE.match(data, 0, end) is not None
+    if len(data) >= PROBE_BYTES:
+        return False
+    return None if _REQUEST_PREFIX.match(data) else False
+
+
+# ---- one followed connection -----------------------------------------------------------
+
+
+class _Follow:
+    """A TCP connection: undecided, followed (with its observer) or ignored."""
+
+    __slots__ = (
+        "client",
+        "closed_by",
+        "connected",
+        "fin_at_bytes",
+        "fin_side",
+        "held",
+        "how",
+        "in_flight_at_close",
+        "num",
+        "obs",
+        "probe",
+        "scheduled",
+        "server",
+        "skipped",
+        "state",
+        "syn_t",
+        "synack_t",
+        "synced",
+        "tap",
+        "tcp",
+    )
+
+    def __init__(self, tcp: TcpConnection) -> None:
+        self.tcp = tcp
+        self.state: Literal["undecided", "followed", "ignored"] = "undecided"
+        self.held: list[Item] = []
+        self.probe = b""  # the client's first bytes, while telling whether it is HTTP
+        self.skipped: Counter[Endpoint] = Counter()  # bytes not parsed (before a request)
+        self.client: Endpoint | None = None
+        self.server: Endpoint | None = None
+        self.tap = ""
+        self.num = 0
+        self.obs: ConnectionObserver | None = None
+        self.synced = False  # requests are parsed: from the start, or from a request head
+        self.syn_t: float | None = None
+        self.synack_t: float | None = None
+        self.closed_by: Literal["client", "upstream"] | None = None
+        self.how: Literal["fin", "reset"] | None = None
+        self.in_flight_at_close = False
+        self.fin_side: ev.Direction | None = None
+        self.fin_at_bytes = (0, 0)
+        self.scheduled = False  # a stall check is queued
+        self.connected: bool | None = None  # the server answered (None: not said yet)
+
+    def side(self, src: Endpoint) -> ev.Direction:
+        return "client" if src == self.client else "upstream"
+
+
+# ---- the passive tap -------------------------------------------------------------------
+
+
+class PacketTap:
+    """Packets in, tap events out, for one tap or several (one per server port).
+
+    ``ports``: the server ports to follow (None: every connection whose first bytes are
+    an HTTP request). ``taps``: server port -> tap name, for several taps out of one
+    capture (``--tap-by-port 8000=front,30000=back``); it replaces ``tap`` and ``ports``.
+    ``emit`` gets every event; the tap's header is written at the first packet (or at
+    ``finish``), ``capture_end`` at ``finish``.
+    """
+
+    def __init__(
+        self,
+        *,
+        emit: Emit,
+        tap: str = "pcap",
+        ports: Collection[int] | None = None,
+        taps: Mapping[int, str] | None = None,
+        stall_after: float = STALL_AFTER,
+        bodies: Bodies = "requests",
+        kind: str = "pcap",
+        options: Mapping[str, Any] | None = None,
+        boot_id: str | None = None,
+        loss_evidence: bool = True,
+        max_buffer: int = MAX_BUFFER,
+        max_pieces: int = MAX_PIECES,
+    ) -> None:
+        self._emit_out = emit
+        if taps:
+            self._by_port: dict[int, str] | None = dict(taps)
+            self._ports: frozenset[int] | None = frozenset(taps)
+            self.taps = list(dict.fromkeys(taps.values()))
+        else:
+            self._by_port = None
+            self._ports = frozenset(ports) if ports is not None else None
+            self.taps = [tap]
+        self._default_tap = self.taps[0]
+        self.stall_after = stall_after
+        self.bodies: Bodies = bodies
+        self.kind = kind
+        self.options = dict(options or {})
+        self.boot_id = boot_id
+        self.loss_evidence = loss_evidence
+        self.table = TcpTable(max_buffer=max_buffer, max_pieces=max_pieces)
+        self.stats = PassiveStats()
+        self._follows: dict[int, _Follow] = {}
+        self._nums: Counter[str] = Counter()  # connections numbered per tap
+        self._records: Counter[str] = Counter()  # records written per tap
+        self._due: list[tuple[float, int, int]] = []  # (stall check time, order, conn)
+        self._order = 0
+        self.started = False
+        self.finished = False
+
+    # ---- input ----------------------------------------------------------------------
+
+    def packet(self, t: float, linktype: int, frame: bytes, *, orig_len: int | None = None) -> None:
+        """One captured frame (``orig_len``: its length on the wire, where the capture
+        says; a frame kept shorter is counted as cut even when TCP cannot tell)."""
+        self.stats.packets += 1
+        decoded = decode_frame(linktype, frame, t)
+        short = orig_len is not None and orig_len > len(frame)
+        if isinstance(decoded, Skipped):
+            self.stats.skipped[decoded.reason] += 1
+            if decoded.cut or (short and decoded.reason == "cut_header"):
+                self.stats.truncated_packets += 1
+            return
+        if decoded.cut:
+            self.stats.truncated_packets += 1
+            self.stats.truncated_bytes += decoded.cut
+        elif short:
+            self.stats.truncated_packets += 1
+        self.segment(decoded.src, decoded.dst, decoded.segment)
+
+    def segment(self, src: Endpoint, dst: Endpoint, seg: Segment) -> None:
+        """One TCP segment (already out of its frame), sent by ``src`` to ``dst``."""
+        t = seg.t
+        if not self.started:
+            self.start(t)
+        stats = self.stats
+        stats.tcp_packets += 1
+        if stats.first_t is None:
+            stats.first_t = t
+        if stats.last_t is None or t > stats.last_t:
+            stats.last_t = t
+        self.advance(t)
+        before = self.table.stragglers
+        for item in self.table.feed(src, dst, seg):
+            self._on(item)
+        stats.stragglers += self.table.stragglers - before
+
+    def start(self, t: float) -> None:
+        """Write each tap's header (at the first packet's time)."""
+        if self.started:
+            return
+        self.started = True
+        for name in self.taps:
+            ports = (
+                sorted(p for p, n in self._by_port.items() if n == name)
+                if self._by_port
+                else sorted(self._ports)
+                if self._ports is not None
+                else None
+            )
+            listen = ",".join(f"*:{p}" for p in ports) if ports else None
+            options: dict[str, Any] = {
+                "stall_after": self.stall_after,
+                "bodies": self.bodies,
+                "passive": True,
+                **({"ports": ports} if ports else {}),
+                **self.options,
+            }
+            self._emit(
+                ev.CaptureStart(
+                    t=t,
+                    m=t,
+                    tap=name,
+                    tracer_version=__version__,
+                    kind=self.kind,
+                    listen=listen,
+                    boot_id=self.boot_id,
+                    options=options,
+                )
+            )
+
+    def advance(self, now: float) -> None:
+        """Time is ``now`` (a packet's): tick every connection whose request in flight has
+        been silent for ``stall_after`` by now, at the moment it became so."""
+        due = self._due
+        while due and due[0][0] <= now:
+            when, _, conn = heapq.heappop(due)
+            f = self._follows.get(conn)
+            if f is None or f.obs is None:
+                continue
+            f.scheduled = False
+            obs = f.obs
+            if not obs.in_flight:
+                continue
+            at = self._stall_time(obs.last_activity_m)
+            if at > when:  # bytes moved since: check again later
+                self._schedule(f, at)
+                continue
+            client, server = f.client, f.server
+            assert client is not None and server is not None
+            window = f.tcp.streams[client].window
+            obs.tick(
+                at,
+                stall_after=self.stall_after,
+                client_blocked=window == 0,
+                unsent=f.tcp.streams[server].unacked,
+            )
+
+    def finish(
+        self,
+        t: float | None = None,
+        *,
+        kernel_dropped: int | None = None,
+        reason: str = "end of capture",
+    ) -> None:
+        """The capture is over (at ``t``, else its last packet): stalls due by then,
+        every connection still open closed, what was lost, and each tap's end."""
+        if self.finished:
+            return
+        end = t if t is not None else (self.stats.last_t or 0.0)
+        if not self.started:
+            self.start(end)
+        self.advance(end)
+        for item in self.table.close_all(end):
+            self._on(item)
+        self.finished = True
+        if kernel_dropped is not None:
+            self.stats.kernel_dropped = kernel_dropped
+        if self.loss_evidence:
+            for loss in self.stats.loss_events(self.taps, end):
+                self._emit(loss)
+        for name in self.taps:
+            self._emit(
+                ev.CaptureEnd(
+                    t=end,
+                    m=end,
+                    tap=name,
+                    records=self._records[name] + 1,
+                    dropped=0,
+                    reason=reason,
+                )
+            )
+
+    # ---- connections ------------------------------------------------------------------
+
+    def _on(self, item: Item) -> None:
+        if isinstance(item, Opened):
+            self._follows[item.conn] = _Follow(item.connection)
+            self.stats.connections += 1
+            return
+        f = self._follows.get(item.conn)
+        if f is None:
+            return
+        if isinstance(item, Syn):
+            if item.ack:
+                f.synack_t = item.t if f.synack_t is None else f.synack_t
+            elif f.syn_t is None:
+                f.syn_t = item.t
+        if f.state == "undecided":
+            self._decide(f, item)
+        elif f.state == "followed":
+            self._apply(f, item)
+        if isinstance(item, Closed):
+            self._follows.pop(item.conn, None)
+
+    def _decide(self, f: _Follow, item: Item) -> None:
+        if not isinstance(item, Data) or len(f.held) < HELD_ITEMS:
+            f.held.append(item)  # (a connection is undecided for a few items but without
+            # a handshake, where it waits for a request head: its bytes before are skipped)
+        else:
+            f.skipped[item.src] += len(item.data)
+            self.stats.skipped_bytes += len(item.data)
+        client = self._client(f, item)
+        if client is None and isinstance(item, Closed):
+            client = False
+        if client is None:
+            return
+        held, f.held = f.held, []
+        if client is False:
+            f.state = "ignored"
+            self.stats.ignored += 1
+            f.tcp.ignore()
+            return
+        self._follow(f, client)
+        for it in held:
+            self._apply(f, it)
+
+    def _client(self, f: _Follow, item: Item) -> Endpoint | Literal[False] | None:
+        """Who the client is (False: not followed; None: not known yet)."""
+        tcp = f.tcp
+        ports = self._ports
+        if ports is not None:
+            client = tcp.client
+            if client is None:
+                if tcp.second.port in ports:
+                    client = tcp.first
+                elif tcp.first.port in ports:
+                    client = tcp.second
+                else:
+                    return False
+            return client if tcp.peer(client).port in ports else False
+        if not isinstance(item, Data):
+            return None
+        if tcp.client is not None:
+            if item.src != tcp.client:
+                return False  # the server spoke first: not HTTP
+            f.probe += item.data[: PROBE_BYTES - len(f.probe)]
+            looks = looks_like_request(f.probe)
+            return tcp.client if looks else None if looks is None else False
+        return item.src if looks_like_request(item.data) else None
+
+    def _follow(self, f: _Follow, client: Endpoint) -> None:
+        tcp = f.tcp
+        server = tcp.peer(client)
+        f.state = "followed"
+        f.client, f.server = client, server
+        f.synced = tcp.start_seen and tcp.client == client
+        f.tap = (
+            self._by_port.get(server.port, self._default_tap)
+            if self._by_port
+            else self._default_tap
+        )
+        self._nums[f.tap] += 1
+        f.num = self._nums[f.tap]
+        self.stats.followed += 1
+        if not tcp.start_seen:
+            self.stats.without_start += 1
+        opened = tcp.first_t if tcp.first_t is not None else 0.0
+        f.obs = ConnectionObserver(
+            tap=f.tap,
+            conn=f.num,
+            emit=self._emit,
+            wall_offset=0.0,
+            opened_m=opened,
+            bodies=self.bodies,
+        )
+        self._emit(
+            ev.ConnOpen(
+                t=opened, m=opened, tap=f.tap, conn=f.num, peer=str(client), local=str(server)
+            )
+        )
+        if f.syn_t is not None and tcp.client == client:  # the client's SYN: connecting
+            self._emit(
+                ev.UpstreamConnect(
+                    t=f.syn_t, m=f.syn_t, tap=f.tap, conn=f.num, phase="start", addr=str(server)
+                )
+            )
+
+    def _connect_done(self, f: _Follow, t: float, *, refused: bool = False) -> None:
+        """The server answered the SYN (its SYN-ACK, or bytes from a connection whose
+        handshake was not captured), or refused it (a reset in answer to the SYN)."""
+        if f.connected is not None:
+            return
+        f.connected = not refused
+        answered = refused or f.synack_t == t  # the answer itself was captured
+        elapsed = round(t - f.syn_t, 6) if f.syn_t is not None and answered else None
+        self._emit(
+            ev.UpstreamConnect(
+                t=t,
+                m=t,
+                tap=f.tap,
+                conn=f.num,
+                phase="failed" if refused else "done",
+                addr=str(f.server),
+                error="connection refused (a reset in answer to the SYN)" if refused else None,
+                elapsed=elapsed,
+            )
+        )
+
+    def _apply(self, f: _Follow, item: Item) -> None:
+        obs = f.obs
+        assert obs is not None
+        if f.connected is None and not isinstance(item, (Syn, Reset, Closed)):
+            self._connect_done(f, f.synack_t if f.synack_t is not None else item.t)
+        match item:
+            case Syn(t=t, ack=True):
+                self._connect_done(f, t)
+                return
+            case Data(t=t, src=src, data=data):
+                side = f.side(src)
+                if not f.synced:
+                    if side == "client" and looks_like_request(data):
+                        f.synced = True
+                    else:
+                        f.skipped[src] += len(data)
+                        self.stats.skipped_bytes += len(data)
+                        return
+                if side == "client":
+                    obs.client_data(data, t)
+                else:
+                    obs.upstream_data(data, t)
+            case Gap(t=t, src=src, offset=offset, size=size, cause=cause):
+                self.stats.gaps[f.tap] += 1
+                self.stats.gap_bytes[f.tap] += size
+                if f.synced:
+                    self._blind(f, t, f.side(src), offset, size, cause)
+            case Fin(t=t, src=src):
+                side = f.side(src)
+                self._first(f, side, "fin")
+                if side == "client":
+                    obs.client_eof(t, reset=False)
+                else:
+                    obs.upstream_eof(t, reset=False)
+            case Reset(t=t, src=src):
+                side = f.side(src)
+                if f.connected is None and f.syn_t is not None:  # no answer to the SYN
+                    if side == "upstream":
+                        self._connect_done(f, t, refused=True)
+                elif f.connected is None:  # opened before the capture began
+                    self._connect_done(f, t)
+                self._first(f, side, "reset")
+                if side == "client":
+                    obs.client_eof(t, reset=True)
+                else:
+                    obs.upstream_eof(t, reset=True)
+            case Closed(t=t, why=why):
+                self._close(f, t, why)
+                return
+            case _:
+                return
+        if obs.in_flight and not f.scheduled:
+            self._schedule(f, self._stall_time(obs.last_activity_m))
+
+    def _blind(
+        self, f: _Follow, t: float, side: ev.Direction, offset: int, size: int, cause: str
+    ) -> None:
+        """Bytes missing from a stream: the observer cannot follow it past them."""
+        obs = f.obs
+        assert obs is not None
+        if obs.blind:
+            return
+        why = {
+            "not_captured": "acknowledged by the peer but not in the capture",
+            "buffer_full": "never in the capture while later bytes piled up",
+            "never_filled": "not in the capture by the stream's end",
+            "snaplen": "cut by the capture's snapshot length",
+        }.get(cause, cause)
+        pending = obs.in_flight_requests()
+        seq = pending[0]["seq"] if pending else (obs.seq or None)
+        self._emit(
+            ev.Anomaly(
+                t=t,
+                m=t,
+                tap=f.tap,
+                conn=f.num,
+                seq=seq,
+                direction=side,
+                error=f"packet capture: {size} byte(s) of the {side} stream missing at offset "
+                f"{offset} ({why}); not parsed from there on",
+                offset=obs.client_bytes if side == "client" else obs.upstream_bytes,
+            )
+        )
+        obs.blind = True  # as after a parse failure: bytes are only counted from now on
+        obs.head_started_m = None
+
+    def _first(self, f: _Follow, side: ev.Direction, how: Literal["fin", "reset"]) -> None:
+        """The first side to close, and how (as the inline tap records it)."""
+        if f.closed_by is not None:
+            return
+        obs = f.obs
+        assert obs is not None
+        f.closed_by, f.how = side, how
+        f.in_flight_at_close = obs.in_flight
+        if how == "fin":
+            f.fin_side = side
+            f.fin_at_bytes = (obs.client_bytes, obs.upstream_bytes)
+
+    def _close(self, f: _Follow, t: float, why: str) -> None:
+        obs = f.obs
+        assert obs is not None and f.client is not None and f.server is not None
+        if f.closed_by is None:
+            f.in_flight_at_close = obs.in_flight
+        seen_end = why in ("fin", "reset")
+        obs.close(t, shutdown=not seen_end)
+        tcp = f.tcp
+        up = tcp.streams[f.server]
+        self.stats.duplicate_bytes += up.duplicate + tcp.streams[f.client].duplicate
+        client_then, upstream_then = f.fin_at_bytes
+        half: ev.Direction | None = None
+        if f.fin_side == "client" and obs.upstream_bytes > upstream_then:
+            half = "client"
+        elif f.fin_side == "upstream" and obs.client_bytes > client_then:
+            half = "upstream"
+        opened = tcp.first_t if tcp.first_t is not None else t
+        self._emit(
+            ev.ConnClose(
+                t=t,
+                m=t,
+                tap=f.tap,
+                conn=f.num,
+                closed_by=f.closed_by or "none",
+                how=f.how or "unknown",
+                half_close=half,
+                in_flight=f.in_flight_at_close,
+                requests=obs.seq,
+                bytes_from_client=obs.client_bytes + f.skipped[f.client],
+                bytes_from_upstream=obs.upstream_bytes + f.skipped[f.server],
+                upstream_opened=bool(f.connected),
+                duration=round(t - opened, 6),
+            )
+        )
+
+    # ---- stalls -------------------------------------------------------------------------
+
+    def _stall_time(self, last: float) -> float:
+        """The first time at which ``last`` is ``stall_after`` old (exactly, in floats)."""
+        at = last + self.stall_after
+        while at - last < self.stall_after:
+            at = math.nextafter(at, math.inf)
+        return at
+
+    def _schedule(self, f: _Follow, at: float) -> None:
+        self._order += 1
+        f.scheduled = True
+        heapq.heappush(self._due, (at, self._order, f.tcp.conn))
+
+    # ---- output -------------------------------------------------------------------------
+
+    def _emit(self, event: ev.Event) -> None:
+        self._records[event.tap] += 1
+        self._emit_out(event)
+
+
+def parse_tap_by_port(spec: str) -> dict[int, str]:
+    """``8000=front,30000=back`` -> {8000: "front", 30000: "back"}."""
+    out: dict[int, str] = {}
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        port_s, sep, name = part.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"{part!r}: expected PORT=TAP, e.g. 8000=front")
+        try:
+            port = int(port_s)
+        except ValueError:
+            raise ValueError(f"{part!r}: {port_s!r} is not a port number") from None
+        if not 0 < port < 65536:
+            raise ValueError(f"{part!r}: port {port} is out of range")
+        if port in out:
+            raise ValueError(f"{part!r}: port {port} given twice")
+        out[port] = name.strip()
+    if not out:
+        raise ValueError("no PORT=TAP given")
+    return out
