@@ -50,3 +50,18 @@ def test_info_and_the_port_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 2 and "PORT=TAP" in err
     code, _, err = run(capsys, "analyze", str(PCAP / "sse_lo.pcap"), "--port", "1")
     assert code == 3 and "no HTTP/1.1 connection to port 1" in err  # not an all-clear
+
+
+def test_replay_reads_a_pcap_as_its_tap(tmp_path: Path) -> None:
+    """The requests a pcap holds, with their bodies, are what replay would send."""
+    from tracer.tools.replay import plan
+    from tracer.tools.replay_capture import load
+    from tracer.tools.replay_select import parse_only
+
+    original = load(PCAP / "sse_lo.pcap")
+    jobs = plan(original, parse_only([]), fresh=False)
+    sent = [r for job in jobs for r in job.requests]
+    assert len(jobs) == 1 and len(sent) == 2  # one keep-alive connection, two requests
+    from tracer.tools.replay_plan import missing_bodies
+
+    assert not missing_bodies(jobs)  # the request bodies came from the packets

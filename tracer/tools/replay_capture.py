@@ -134,7 +134,7 @@ def load(path: str | os.PathLike[str]) -> Capture:
     files = expand_captures([path])
     for name in files or [str(path)]:
         kind = file_kind(name)
-        if kind not in ("capture", "text"):
+        if kind not in ("capture", "text", "pcap", "pcapng"):  # a pcap: read as its tap
             raise CaptureError(not_a_capture(name, kind))
     kind = "proxy"
     try:
