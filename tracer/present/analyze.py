@@ -62,21 +62,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="rows shown per table in text output, those that went wrong first (0: all; "
         "default: %(default)s)",
     )
-    parser.add_argument(
-        "--hang-at",
-        action="append",
-        default=[],
-        metavar="TIME",
-        help="the harness was seen hung at about this time (repeatable): "
-        "ISO 8601, epoch seconds, or +SECONDS from the capture's start",
-    )
-    parser.add_argument(
-        "--client-facing",
-        action="append",
-        default=[],
-        metavar="TAP",
-        help="this tap's clients are the harness itself (no proxy in front)",
-    )
+    incident_arguments(parser)
     packet_arguments(parser)
     rows = parser.add_argument_group("filters (the rows and findings shown)")
     rows.add_argument("--since", metavar="TIME", help="from this time (as --hang-at)")
@@ -97,6 +83,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="REQUEST",
         help="this request: its x-request-id, or TAP/CONN/SEQ (repeatable)",
+    )
+
+
+def incident_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the user knows of the incident, for ``analyze`` and ``report`` alike."""
+    parser.add_argument(
+        "--hang-at",
+        action="append",
+        default=[],
+        metavar="TIME",
+        help="the harness was seen hung at about this time (repeatable): "
+        "ISO 8601, epoch seconds, or +SECONDS from the capture's start",
+    )
+    parser.add_argument(
+        "--client-facing",
+        action="append",
+        default=[],
+        metavar="TAP",
+        help="this tap's clients are the harness itself (no proxy in front)",
     )
 
 

@@ -23,6 +23,7 @@ from typing import Any
 from ..analysis.summary import Summary
 from ..atomic import write_atomically
 from ..times import parse_time
+from .analyze import incident_arguments
 from .report_document import build, load, to_json
 from .report_markdown import _Clock as _Clock  # (re-exported: the tests' clock)
 from .report_markdown import to_markdown
@@ -46,21 +47,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", metavar="FILE.json", help="also write the report as JSON (tracer.report/2)"
     )
-    parser.add_argument(
-        "--hang-at",
-        action="append",
-        default=[],
-        metavar="TIME",
-        help="the harness was seen hung at about this time (repeatable): "
-        "ISO 8601, epoch seconds, or +SECONDS from the capture's start",
-    )
-    parser.add_argument(
-        "--client-facing",
-        action="append",
-        default=[],
-        metavar="TAP",
-        help="this tap's clients are the harness itself (no proxy in front)",
-    )
+    incident_arguments(parser)
     parser.add_argument(
         "--max-lanes",
         type=int,
