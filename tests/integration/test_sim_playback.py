@@ -25,6 +25,7 @@ import pytest
 from anyio.abc import SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from tests.support.shared import made_once
 from tests.support.tap import RawUpstream, UpConn, running_tap
 from tracer import events as ev
 from tracer.capture.files import read_events
@@ -32,8 +33,7 @@ from tracer.cli import commands as cli
 from tracer.sim.engine import EngineConfig, SimEngine
 from tracer.sim.playback import PlaybackEngine, Playbook, build_playbook
 
-# one worker builds the module's capture once, and runs every test that reads it
-pytestmark = [pytest.mark.anyio, pytest.mark.xdist_group("sim_playback")]
+pytestmark = pytest.mark.anyio
 
 DEADLINE = 2.0  # a client gives up on a silent request after this long (the stalled
 # request takes about 0.75 s: a loaded 2-core machine once took longer than 0.8 s)
@@ -94,10 +94,15 @@ async def _make_capture(tmp_path: Path) -> tuple[Path, list[str]]:
 
 @pytest.fixture(scope="module")
 def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One capture of the script, shared by the tests (they only read it)."""
-    path, outcomes = anyio.run(_make_capture, tmp_path_factory.mktemp("orig"))
+    """One capture of the script, shared by the tests (they only read it), made once."""
+
+    def make(folder: Path) -> tuple[str, list[str]]:
+        path, outcomes = anyio.run(_make_capture, folder)
+        return str(path), outcomes
+
+    path, outcomes = made_once(tmp_path_factory, "sim-playback-capture", make)
     assert outcomes == [outcome for _, _, outcome in SCRIPT]
-    return path
+    return Path(path)
 
 
 @dataclass
@@ -378,7 +383,9 @@ async def test_a_cut_inside_an_event_is_cut_the_same_way(tmp_path: Path) -> None
             1,
         )
     )
-    assert after.max_gap is not None and after.max_gap >= 0.2
+    # the gap is replayed on the head's clock: a first piece sent late (a loaded machine)
+    # leaves it a little shorter, as in the stall above
+    assert after.max_gap is not None and after.max_gap >= 0.2 - 0.05
 
 
 @pytest.mark.parametrize(

@@ -111,6 +111,8 @@ async def _launch_smg(
     log_path = tmp_path / f"smg-{port}.log"
     cmd = [str(SMG), "launch", "--host", "127.0.0.1", "--port", str(port), *args]
     cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom), "--log-level", "warn"]
+    # a worker check that fails at start (a loaded machine) is tried again in 1 s, not 30
+    cmd += ["--worker-startup-check-interval", "1"]
     with log_path.open("wb") as log_file:
         process = await anyio.open_process(cmd, stdin=None, stdout=log_file, stderr=log_file)
     url = f"http://127.0.0.1:{port}"
