@@ -78,6 +78,8 @@ SMUGGLE = b"GET /smuggled HTTP/1.1\r\nHost: r\r\n\r\n"
         (b"POST / HTTP/1.1\r\nContent-Length : %d\r\n\r\n", "NAME: VALUE"),
         (b"POST / HTTP/1.1\r\nContent-Length: +%d\r\n\r\n", "not a number"),
         (b"POST / HTTP/1.1\rHost: r\r\nContent-Length: %d\r\n\r\n", "bare CR"),
+        # empty lines before the request line: some servers skip them, some do not
+        (b"\r\nPOST / HTTP/1.1\r\nContent-Length: %d\r\n\r\n", "request"),
     ],
 )
 def test_an_ambiguous_head_passes_untouched(head: bytes, why: str) -> None:

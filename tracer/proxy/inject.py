@@ -5,8 +5,9 @@ that sends none leaves only fingerprints (method, target, body hash, order). Thi
 sans-I/O rewriter adds ``x-request-id: tracer-<tap>-<conn>-<n>`` after the request line
 of every request head that has none, and passes everything else through unchanged.
 It holds a request head until it is complete (at most ``MAX_HEAD`` bytes) — which is
-why it is opt-in and named as altering traffic — and follows request bodies with the
-same strict framing decoder as the observer, so it knows where the next head starts.
+why it is opt-in and named as altering traffic — collecting it with the fault layer's
+``protocol.head.HeadReader``, and follows request bodies with the same strict framing
+decoder as the observer (``protocol.framing``), so it knows where the next head starts.
 
 Injection happens only where every parser reads the head the same way
 (``ambiguity``): CRLF line endings only (a bare LF is a line ending to a lenient
@@ -22,9 +23,9 @@ from __future__ import annotations
 
 import re
 
-from ..protocol.framing import BodyDecoder, FramingError
+from ..protocol.framing import BodyDecoder, FramingError, request_framing
+from ..protocol.head import HeadError, HeadReader, parse_request_head
 
-MAX_HEAD = 64 * 1024
 _REQUEST_LINE = re.compile(rb"[A-Z]{1,16} [^ \r\n]+ HTTP/1\.[01]\r\n")
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
 _DIGITS = re.compile(rb"[0-9]{1,18}\Z")
@@ -38,7 +39,7 @@ class RequestIdInjector:
         self.injected = 0
         self.passed_through: str | None = None  # why it stopped rewriting, once it has
         self._n = 0
-        self._head = b""
+        self._head = HeadReader(request=True)
         self._body: BodyDecoder | None = None
 
     def feed(self, data: bytes) -> bytes:
@@ -60,33 +61,34 @@ class RequestIdInjector:
                 data = data[used:]
                 self._body = None
                 continue
-            buf = self._head + data
-            end = buf.find(b"\r\n\r\n")
-            why = _bare_line_end(buf if end < 0 else buf[: end + 4])
-            if why is None and end < 0:
-                if len(buf) > MAX_HEAD:
-                    why = f"a request head over {MAX_HEAD} bytes"
-                elif not _could_be_request(buf):
-                    why = "not an HTTP/1.x request"
+            reader = self._head
+            held = reader.held
+            why: str | None
+            body: BodyDecoder | None = None
+            try:
+                end = reader.feed(data)
+            except HeadError as exc:
+                end, why = -1, str(exc)
+            else:
+                head = reader.raw if end >= 0 else reader.held
+                why = _bare_line_end(head)
+                if why is None and end >= 0:
+                    why = ambiguity(reader.raw)
+                    if why is None:
+                        body = _request_body(reader.raw)
+                        if body is None:
+                            why = "request body framing it cannot follow"
             if why is not None:
                 self.give_up(why)
-                self._head = b""
-                out.append(buf)
+                reader.clear()
+                out.append(held + data)
                 break
             if end < 0:
-                self._head = buf  # hold until the head is complete
-                break
-            self._head = b""
-            head, data = buf[: end + 4], buf[end + 4 :]
-            why = ambiguity(head)
-            if why is not None:
-                self.give_up(why)
-                out.append(head + data)
-                break
-            out.append(self._rewrite(head))
-            self._body = _request_body(head)
-            if self._body.done:
-                self._body = None
+                break  # held until the head is complete
+            out.append(self._rewrite(reader.raw))
+            reader.clear()
+            data = data[end:]
+            self._body = None if body is None or body.done else body
         return b"".join(out)
 
     def give_up(self, why: str = "the rewriter failed") -> None:
@@ -96,7 +98,8 @@ class RequestIdInjector:
 
     def flush(self) -> bytes:
         """At the client's EOF: whatever is still held goes out as it is."""
-        held, self._head = self._head, b""
+        held = self._head.held
+        self._head.clear()
         return held
 
     def _rewrite(self, head: bytes) -> bytes:
@@ -148,19 +151,10 @@ def ambiguity(head: bytes) -> str | None:
     return None
 
 
-def _could_be_request(buf: bytes) -> bool:
-    """An incomplete head that still starts like a request line."""
-    first = buf[:18]
-    return bool(re.match(rb"[A-Z]{0,16}( |$)", first)) and not first.startswith(b"PRI ")
-
-
-def _request_body(head: bytes) -> BodyDecoder:
-    """How the request body after this unambiguous head is delimited."""
-    for line in head[:-4].split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        lower = name.lower()
-        if lower == b"transfer-encoding":
-            return BodyDecoder("chunked")
-        if lower == b"content-length" and int(value.strip(b" \t")):
-            return BodyDecoder("length", int(value.strip(b" \t")))
-    return BodyDecoder("none")
+def _request_body(head: bytes) -> BodyDecoder | None:
+    """How the request body after this unambiguous head is delimited (None: not known)."""
+    try:
+        framing, length = request_framing(parse_request_head(head).headers)
+    except (HeadError, FramingError):
+        return None
+    return BodyDecoder(framing, length)
