@@ -134,7 +134,10 @@ async def test_nginx_in_front_of_a_slow_stream_stays_clean(tmp_path: Path) -> No
     assert result["verdict"]["kind"] == "healthy", result["findings"]
     request = result["requests"][0]
     assert request["termination"] == "complete" and request["events"] >= 30
-    assert request["bunch_gaps"] >= 20  # the engine's 50 ms pacing survived nginx
+    # the engine's 50 ms pacing survived nginx: few events bunched, most gaps near 50 ms
+    # (bounds that hold on a loaded machine, where some gaps stretch past 60 ms)
+    assert request["zero_gaps"] <= request["event_gaps"] // 3
+    assert request["bunch_gaps"] >= request["event_gaps"] // 2
 
 
 async def test_client_not_reading_and_abort_are_the_client(tmp_path: Path) -> None:
