@@ -1,17 +1,17 @@
-"""``tracer analyze CAPTURE... --format json``, parsed: as a process a user starts (blocking,
-or awaited beside servers in the test's event loop), or in this process (unit tests)."""
+"""``tracer analyze CAPTURE... --format json``, parsed.
+
+The command's ``main`` runs in the test's own process: a process per analysis cost the
+suite about 0.8 s of CPU each (interpreter and imports) and tested nothing more, the
+command line as users run it being tested by the CLI tests (``test_cli_*``,
+``test_readme``), which start real ``tracer`` processes."""
 
 from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
 from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
-
-import anyio
 
 from tracer.cli import commands
 
@@ -20,21 +20,14 @@ def _argv(args: tuple[Path | str, ...]) -> list[str]:
     return ["analyze", *map(str, args), "--format", "json"]
 
 
-def analyze_json(*args: Path | str, timeout: float = 60) -> dict[str, Any]:
-    """The captures (and options) analysed by a ``tracer analyze`` process; it must exit 0."""
-    done = subprocess.run(
-        [sys.executable, "-m", "tracer", *_argv(args)],
-        capture_output=True,
-        check=True,
-        timeout=timeout,
-    )
-    return dict(json.loads(done.stdout))
+def analyze_json(*args: Path | str) -> dict[str, Any]:
+    """The captures (and options) analysed as ``tracer analyze`` does; it must exit 0."""
+    return analyze_here(*args)
 
 
 async def analyze_async(*args: Path | str) -> dict[str, Any]:
-    """:func:`analyze_json` awaited, for tests whose servers run in the same event loop."""
-    done = await anyio.run_process([sys.executable, "-m", "tracer", *_argv(args)])
-    return dict(json.loads(done.stdout))
+    """:func:`analyze_json` for async tests (the loop waits: the servers have stopped)."""
+    return analyze_here(*args)
 
 
 def analyze_here(*args: Path | str) -> dict[str, Any]:
