@@ -36,6 +36,10 @@ exit codes: 0 done, 1 failed at run time, 2 bad arguments, 3 input that is not a
 COMMANDS = {
     "proxy": ("cli.proxy", "run the inline tap"),
     "watch": ("cli.watch", "record engine evidence alone (no proxy)"),
+    "sniff": (
+        "cli.sniff",
+        "the passive tap: record an interface's packets to a port as a tap would (root)",
+    ),
     "analyze": ("present.analyze", "the verdict, findings and tables from captures"),
     "info": ("present.info", "what a capture holds: tap, time range, records, losses, clean end"),
     "report": ("present.report", "a Markdown incident report with a timeline picture"),

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 from .. import logs
 from ..arguments import http_url, non_negative_float, non_negative_int, positive_float, positive_int
 from ..capture.files import CaptureWriter
-from ..evidence.options import engine_arguments, engine_poller
+from ..evidence.options import engine_arguments, engine_poller, probe_arguments, stall_prober
 from ..faults.plan import KINDS, RULE_KEYS, Fault, FaultSpecError, parse_fault
 from ..protocol.addresses import parse_hostport, parse_upstream
 from ..proxy.relay import Tap, TapConfig, descriptor_budget, loop_options
@@ -234,33 +234,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="ALTERS TRAFFIC (opt-in): add x-request-id: tracer-TAP-CONN-N to requests that "
         "have none, so taps behind this one join requests exactly",
     )
-    parser.add_argument(
-        "--probe-on-stall",
-        action="store_true",
-        help="on a stall, send a tiny request over a fresh connection to the upstream and "
-        "to each --engine-metrics host, and record the outcome (off by default)",
-    )
-    parser.add_argument(
-        "--probe-kind",
-        choices=["models", "completion", "health"],
-        default="models",
-        help="GET /v1/models (default), a 1-token completion, or GET /health",
-    )
-    parser.add_argument("--probe-model", metavar="NAME", help="model for --probe-kind completion")
-    parser.add_argument(
-        "--probe-interval",
-        type=positive_float,
-        default=5.0,
-        metavar="SECONDS",
-        help="at most one round of probes per this many seconds",
-    )
-    parser.add_argument(
-        "--probe-busy-threshold",
-        type=positive_int,
-        default=32,
-        metavar="N",
-        help="skip probes while an engine reports running+queued >= N",
-    )
+    probe_arguments(parser)
     parser.add_argument(
         "--fault",
         action="append",
@@ -408,24 +382,16 @@ def run(args: argparse.Namespace) -> int:
     writer = open_capture(args.capture, config.name, args) if args.capture else None
     tap = Tap(config, capture=writer)
     poller = engine_poller(args, config.name, tap.safe_emit, tap.wall_offset)
-    if args.probe_on_stall:
-        from ..evidence.probes import ProbeConfig, Prober, engine_base
-
-        prober = Prober(
-            ProbeConfig(
-                upstream_url=config.upstream_url,
-                engine_urls=[engine_base(u) for u in args.engine_metrics],
-                kind=args.probe_kind,
-                model=args.probe_model,
-                min_interval=args.probe_interval,
-                busy_threshold=args.probe_busy_threshold,
-            ),
-            tap=config.name,
-            emit=tap.safe_emit,
-            wall_offset=tap.wall_offset,
-            spawn=tap.start_soon,
-            load=poller,
-        )
+    prober = stall_prober(
+        args,
+        upstream_url=config.upstream_url,
+        tap=config.name,
+        emit=tap.safe_emit,
+        wall_offset=tap.wall_offset,
+        spawn=tap.start_soon,
+        load=poller,
+    )
+    if prober is not None:
         tap.bus.add("probes", prober)
     otlp = None
     if args.otlp:

@@ -25,7 +25,9 @@ others. Each request is bounded by ``timeout`` as a whole (connect, headers and 
 
 Never the cause: every scrape opens a fresh connection (no keep-alive pool, so a stale
 pooled connection can never show up as an engine failure), ignores proxy environment
-variables, does not follow redirects, and reads at most ``MAX_BODY`` bytes. Time stamps:
+variables, does not follow redirects, and reads at most ``MAX_BODY`` bytes; each scrape
+says it is the tap's own (``x-tracer-probe``), so a tap that sees it does not count it
+as the clients' traffic. Time stamps:
 ``m = time.monotonic()`` at the end of the scrape, ``t = m + wall_offset``, ``elapsed``
 is the scrape's duration.
 """
@@ -148,7 +150,12 @@ class EnginePoller:
             limits=httpx.Limits(max_keepalive_connections=0),
             trust_env=False,
             follow_redirects=False,
-            headers={"User-Agent": f"tracer/{__version__}"},
+            # the tap's own request (``x-tracer-probe``): a tap or ``tracer sniff`` that
+            # sees the scrapes (metrics on the serving port) leaves them out of its tables
+            headers={
+                "User-Agent": f"tracer/{__version__}",
+                "x-tracer-probe": f"metrics; tap={self.tap}",
+            },
         ) as client:
             start = time.monotonic()
             async with anyio.create_task_group() as tg:
