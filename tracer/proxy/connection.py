@@ -280,6 +280,7 @@ class Connection:
             f"x-tracer: {self.tap.config.name}\r\n\r\n"
         ).encode()
         self._first("tracer", "tracer")
+        self.tap.drain()
         try:
             detail = body.strip().removeprefix("tracer: ")
             self.obs.tracer_response(time.monotonic(), status, reason, detail)
@@ -296,6 +297,7 @@ class Connection:
     ) -> None:
         if self.closed_by is not None:
             return
+        self.tap.drain()
         self.closed_by, self.how = side, how
         self.in_flight_at_close = self.obs.in_flight
         if how == "fin" and side != "tracer":
@@ -316,6 +318,7 @@ class Connection:
             return
         self.finished = True
         tap, obs = self.tap, self.obs
+        tap.drain()
         now = time.monotonic()
         if self.closed_by is None:
             self.closed_by, self.how = "tracer", "tracer"
@@ -369,12 +372,10 @@ class Connection:
     # ---- guarded observation ------------------------------------------------------
 
     def _observe(self, fn: Callable[[bytes, float], None], data: bytes, now: float) -> None:
-        try:
-            fn(data, now)
-        except Exception:
-            log.exception("observer failed; forwarding unchanged", conn=self.id)
+        self.tap.observe_later(fn, data, now, self.id)  # after the loop's ready callbacks
 
     def _observe_eof(self, fn: Callable[..., None], now: float, *, reset: bool) -> None:
+        self.tap.drain()  # the bytes before the end first
         try:
             fn(now, reset=reset)
         except Exception:

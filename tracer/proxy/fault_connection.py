@@ -150,6 +150,15 @@ class FaultConnection(Connection):
         if not self.finished:
             self._drain()
 
+    def _observe(self, fn: Callable[[bytes, float], None], data: bytes, now: float) -> None:
+        """Observed at once, not after the loop's other callbacks (``Tap.observe_later``):
+        a fault's record must follow the records of the bytes it acted on."""
+        self.tap.drain()
+        try:
+            fn(data, now)
+        except Exception:
+            log.exception("observer failed; forwarding unchanged", conn=self.id)
+
     # ---- what the faults do ---------------------------------------------------------
 
     def _record(self, item: Injected) -> None:
@@ -190,6 +199,7 @@ class FaultConnection(Connection):
 
     def _idle_close(self, item: ArmIdle) -> None:
         self._idle = None
+        self.tap.drain()
         if self.finished or self.closed_by is not None or self.obs.in_flight or self.faults.busy:
             return
         detail = f"connection closed after {item.fault.seconds:g}s idle"

@@ -175,6 +175,8 @@ class Tap:
         self.bound: list[tuple[str, int]] = []
         self._tg: anyio.abc.TaskGroup | None = None
         self.lag_windows = 0  # event-loop lag windows closed (tap_lag records or not)
+        # reads forwarded but not yet observed (``observe_later``), in arrival order
+        self._backlog: list[tuple[Callable[[bytes, float], None], bytes, float, int]] = []
 
     # ---- events -------------------------------------------------------------------
 
@@ -183,6 +185,39 @@ class Tap:
         self.bus.publish(event)
 
     safe_emit = emit  # (the name the poller and probes were given)
+
+    # ---- observation after forwarding ---------------------------------------------
+
+    def observe_later(
+        self, fn: Callable[[bytes, float], None], data: bytes, now: float, conn: int
+    ) -> None:
+        """Observe a read the relay has already forwarded, once the loop has run every
+        other callback that was ready with it.
+
+        An event loop sends what its callbacks write only after all of them have run
+        (uvloop queues small writes until its poll phase ends), so observing inside the
+        forwarding callback made every other ready read wait for this one's observation
+        (about 1 ms added to a first token at 16 paced streams). The reads are observed
+        in the order they came, each with its arrival time; whatever reads or changes an
+        observer's state first calls ``drain``.
+        """
+        backlog = self._backlog
+        backlog.append((fn, data, now, conn))
+        if len(backlog) == 1:
+            try:
+                asyncio.get_running_loop().call_soon(self.drain)
+            except RuntimeError:  # no loop (a relay driven by hand): observe now
+                self.drain()
+
+    def drain(self) -> None:
+        """Observe every read not yet observed (never raises)."""
+        while self._backlog:
+            backlog, self._backlog = self._backlog, []
+            for fn, data, now, conn in backlog:
+                try:
+                    fn(data, now)
+                except Exception:
+                    log.exception("observer failed; forwarding unchanged", conn=conn)
 
     def _count(self, event: ev.Event) -> None:
         """The counters of /metrics and /status, and a log line for what deserves one."""
@@ -485,6 +520,7 @@ class Tap:
     def _tick(self, now: float, stall_after: float, idle_timeout: float | None) -> None:
         """The stall, idle and header-timeout checks of every live connection, once a tick."""
         header_timeout = self.config.header_timeout
+        self.drain()
         for relay in list(self.live.values()):
             obs = relay.obs
             obs.flush(now)
@@ -532,6 +568,7 @@ class Tap:
             )
 
     def status(self) -> dict[str, Any]:
+        self.drain()
         now = time.monotonic()
         conns = []
         for relay in self.live.values():
