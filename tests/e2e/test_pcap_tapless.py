@@ -42,11 +42,15 @@ What differs, and why:
 * connection numbers at the engine port: the tap connects upstream at a connection's first
   request, so two sessions racing number their engine connections in the order their
   first requests came; rows are matched by address there (by number at the tap port).
-* the tap runs with ``--no-fingerprint``. With it, the tap asks the engine what it is (GET
-  /get_server_info, a connection of its own) and calls a stream the engine closed
-  ``engine_truncated`` (engine, high); a passive capture cannot ask and says
-  ``stream_cut`` (unknown, medium). That is knowledge, not observation: compared here is
-  what each saw.
+* what the upstream is. The tap asks the engine what it is at its start (its fingerprint:
+  GET /get_server_info, a connection of its own, taken before tcpdump starts so that it is
+  not in the pcap) and calls a stream the engine closed ``engine_truncated`` (engine,
+  high); a passive capture cannot ask and says ``stream_cut`` (unknown, medium). That is
+  knowledge, not observation: compared above is what each saw, the tap's capture without
+  the ``topology`` record its fingerprint wrote (what ``--no-fingerprint`` writes). Then
+  the knowledge, declared: the pcap at the engine port read with ``--upstream-role
+  engine`` gives the findings (kinds, parties, confidence, requests) and the verdict of
+  the tap with its fingerprint.
 """
 
 from __future__ import annotations
@@ -55,12 +59,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from tests.support.analyze import analyze_async
 from tests.support.engine import engine_running
-from tests.support.procs import tracer_proxy
+from tests.support.net import wait_until
+from tests.support.procs import count_records, tracer_proxy
 from tests.support.tcpdump import require_tcpdump, tcpdump_lo
+from tracer.capture.files import read_records
 from tracer.sim.engine_faults import parse_fault
 from tracer.sim.harness import HarnessConfig, run_harness
 
@@ -88,8 +95,10 @@ async def test_a_tcpdump_capture_reads_as_the_tap_that_was_there(tmp_path: Path)
         engine_port = sim.bound[1]
         async with tracer_proxy(
             "proxy", "--listen", "127.0.0.1:0", "--upstream", sim.url, "--tap", "t",
-            "--capture", str(capture), "--no-fingerprint",
+            "--capture", str(capture),
         ) as tap:  # fmt: skip
+            # its fingerprint taken (its connection closed) before the packets are captured
+            await wait_until(lambda: count_records(capture, "topology") == 1, timeout=15)
             async with tcpdump_lo(pcap, [tap.port, engine_port]) as dump:
                 report = await run_harness(
                     HarnessConfig(
@@ -107,11 +116,45 @@ async def test_a_tcpdump_capture_reads_as_the_tap_that_was_there(tmp_path: Path)
     assert outcomes["error"] == 1 and outcomes["truncated"] == 1, report.rounds
     assert dump.dropped() == 0, f"the capture is incomplete: {dump.stderr()}"
 
-    await compare(capture, pcap, tap.port, engine_port)
+    observed = without_topology(capture, tmp_path / "tap-observed.jsonl")
+    numbers = await compare(observed, pcap, tap.port, engine_port)
+    await compare_declared(capture, pcap, engine_port, numbers)
 
 
-async def compare(capture: Path, pcap: Path, tap_port: int, engine_port: int) -> None:
-    """The tap's capture against the pcap read at the tap's port and at the engine's."""
+def without_topology(capture: Path, out: Path) -> Path:
+    """The tap's capture without its ``topology`` record (as with ``--no-fingerprint``)."""
+    kept = [r for r in read_records(capture) if r["type"] != "topology"]
+    assert len(kept) == sum(1 for _ in read_records(capture)) - 1
+    out.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in kept))
+    return out
+
+
+async def compare_declared(
+    capture: Path, pcap: Path, engine_port: int, numbers: dict[int, int]
+) -> None:
+    """The tap with its fingerprint against the pcap at the engine's port with the role
+    declared: the same findings and verdict."""
+    at_tap = await analyze_async(capture)
+    back = await analyze_async(pcap, "--port", str(engine_port), "--upstream-role", "engine")
+    topo = at_tap["taps"][0]["topology"]
+    assert (topo["upstream_role"], topo["basis"]) == ("engine", "inferred"), topo
+    declared = back["taps"][0]["topology"]
+    assert (declared["upstream_role"], declared["basis"]) == ("engine", "declared"), declared
+
+    kinds = {(f["kind"], f["party"]) for f in at_tap["findings"]}
+    assert kinds == {("engine_error_event", "engine"), ("engine_truncated", "engine")}, kinds
+    assert sorted((f["kind"], f["party"]) for f in back["findings"]) == sorted(
+        (f["kind"], f["party"]) for f in at_tap["findings"]
+    )
+    assert findings(back, numbers) == findings(at_tap, None)
+    assert pick(back["verdict"], "kind", "party", "confidence") == pick(
+        at_tap["verdict"], "kind", "party", "confidence"
+    )
+
+
+async def compare(capture: Path, pcap: Path, tap_port: int, engine_port: int) -> dict[int, int]:
+    """The tap's capture against the pcap read at the tap's port and at the engine's;
+    returns the engine port's connection numbers -> the tap's."""
     at_tap = await analyze_async(capture)
     front = await analyze_async(pcap, "--port", str(tap_port))
     back = await analyze_async(pcap, "--port", str(engine_port))
@@ -145,6 +188,7 @@ async def compare(capture: Path, pcap: Path, tap_port: int, engine_port: int) ->
         assert pick(doc["verdict"], "kind", "party", "confidence") == pick(
             at_tap["verdict"], "kind", "party", "confidence"
         )
+    return back_to_tap
 
 
 # ---- the comparisons ---------------------------------------------------------------

@@ -191,7 +191,7 @@ async def test_sniff_records_a_live_exchange_as_a_tap_would(tmp_path: Path) -> N
 @pytest.mark.skipif(CANNOT is not None, reason=CANNOT or "")
 async def test_two_taps_by_port_in_one_capture(tmp_path: Path) -> None:
     """``--tap-by-port``: two servers' connections as two taps, each with its header,
-    numbering and end; stopped by SIGTERM."""
+    numbering and end (back's with the role declared for it); stopped by SIGTERM."""
     capture = tmp_path / "both.jsonl"
     async with (
         engine_running(tokens=2, ttft=0.0, itl=0.001) as front,
@@ -199,7 +199,7 @@ async def test_two_taps_by_port_in_one_capture(tmp_path: Path) -> None:
     ):
         assert front.bound is not None and back.bound is not None
         ports = {"front": front.bound[1], "back": back.bound[1]}
-        by_port = f"{ports['front']}=front,{ports['back']}=back"
+        by_port = f"{ports['front']}=front,{ports['back']}=back:engine"
         args = ["--iface", "lo", "--tap-by-port", by_port, "--capture", str(capture)]
         async with sniffing(*args) as (process, lines):
             async with httpx.AsyncClient() as client:
@@ -213,12 +213,18 @@ async def test_two_taps_by_port_in_one_capture(tmp_path: Path) -> None:
     records = list(read_records(capture))
     heads = [(r["tap"], r["listen"]) for r in records if r["type"] == "capture_start"]
     assert heads == [("front", f"*:{ports['front']}"), ("back", f"*:{ports['back']}")]
+    roles = {r["tap"]: r.get("upstream_role") for r in records if r["type"] == "capture_start"}
+    assert roles == {"front": None, "back": "engine"}
+    topo = [(r["tap"], r["upstream_role"], r["basis"]) for r in records if r["type"] == "topology"]
+    assert topo == [("back", "engine", "declared")]
     ends = [(r["tap"], r["reason"]) for r in records if r["type"] == "capture_end"]
     assert ends == [("front", "SIGTERM"), ("back", "SIGTERM")]
     doc = await analyze_async(capture)
     rows = [(r["tap"], r["conn"], r["seq"], r["request_id"]) for r in doc["requests"]]
     assert sorted(rows) == [("back", 1, 1, "to-back"), ("front", 1, 1, "to-front")]
     assert {r["termination"] for r in doc["requests"]} == {"complete"}
+    declared = {t["tap"]: (t["topology"] or {}).get("upstream_role") for t in doc["taps"]}
+    assert declared == {"front": None, "back": "engine"}
 
 
 @pytest.mark.skipif(

@@ -609,8 +609,9 @@ def test_what_is_an_http_request() -> None:
 
 
 def test_tap_by_port_spec() -> None:
-    assert parse_tap_by_port("8000=front, 30000=back") == {8000: "front", 30000: "back"}
-    for bad in ("", "8000", "x=front", "8000=", "70000=a", "1=a,1=b"):
+    spec = parse_tap_by_port("8000=front, 30000=back")
+    assert (spec.taps, spec.roles) == ({8000: "front", 30000: "back"}, {})
+    for bad in ("", "8000", "x=front", "8000=", "70000=a", "1=a,1=b", "1=a:engin"):
         with pytest.raises(ValueError):
             parse_tap_by_port(bad)
 

@@ -65,3 +65,21 @@ def test_replay_reads_a_pcap_as_its_tap(tmp_path: Path) -> None:
     from tracer.tools.replay_plan import missing_bodies
 
     assert not missing_bodies(jobs)  # the request bodies came from the packets
+
+
+def test_replay_takes_one_tap_of_a_two_sided_pcap_by_its_port() -> None:
+    """A pcap of both sides of a proxy is two taps: replay sends one of them, the one
+    ``--port`` names (or the tap ``--tap-by-port`` gives alone), and refuses both at once."""
+    import json
+
+    from tracer.capture.files import CaptureError, PacketOptions
+    from tracer.tools.replay_capture import load
+
+    seed = PCAP / "hang_on_reuse_lo.pcap"
+    meta = json.loads((PCAP / "hang_on_reuse_lo.json").read_text())
+    front = load(seed, PacketOptions(ports=(meta["front"],)))
+    back = load(seed, PacketOptions(ports=(meta["back"],)))
+    assert len(front.requests()) == 6 and len(back.requests()) == 4  # two never got through
+    with pytest.raises((ValueError, CaptureError)):
+        taps = ((meta["front"], "front"), (meta["back"], "back"))
+        load(seed, PacketOptions(taps=taps))

@@ -85,3 +85,21 @@ def test_the_capture_is_whole() -> None:
         ("front", "client", "fin"),
         ("front", "client", "fin"),
     ]
+
+
+def test_the_report_reads_the_pcap_as_the_same_two_taps(tmp_path: Path) -> None:
+    """``tracer report PCAP --tap-by-port ...``: the incident document from packets alone."""
+    from tracer.cli import commands
+
+    saved = structlog.get_config()
+    out, doc = tmp_path / "incident.md", tmp_path / "incident.json"
+    try:
+        by_port = ["--tap-by-port", META["tap_by_port"]]
+        code = commands.main(["report", str(PCAP), *by_port, "-o", str(out), "--json", str(doc)])
+    finally:
+        structlog.configure(**saved)
+    assert code == 0
+    report = json.loads(doc.read_text())
+    v = report["verdict"]
+    assert (v["party"], v["kind"]) == ("proxy", "proxy_hung_on_reuse")
+    assert out.stat().st_size > 0

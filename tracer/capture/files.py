@@ -589,10 +589,14 @@ def event_from_record(
 class PacketOptions:
     """How a packet capture (pcap, pcapng) is read as taps: the server ports whose
     connections to follow (none: every stream whose first bytes are a request), or one tap
-    per server port (``--tap-by-port 8000=front,30000=back``)."""
+    per server port (``--tap-by-port 8000=front,30000=back``); and what the server behind
+    them is, where declared (``upstream_role`` for the one tap, ``--upstream-role``;
+    ``roles`` per tap name, ``--tap-by-port 30000=back:engine``)."""
 
     ports: tuple[int, ...] = ()
     taps: tuple[tuple[int, str], ...] = ()
+    upstream_role: str | None = None
+    roles: tuple[tuple[str, str], ...] = ()
 
 
 PACKETS = PacketOptions()
@@ -633,9 +637,16 @@ def _packet_events(
     connections = 0
     try:
         if packets.taps:
-            events = events_from_pcap_by_port(path, dict(packets.taps), stats=seen)
+            events = events_from_pcap_by_port(
+                path, dict(packets.taps), roles=dict(packets.roles), stats=seen
+            )
         else:
-            events = events_from_pcap(path, ports=packets.ports or None, stats=seen)
+            events = events_from_pcap(
+                path,
+                ports=packets.ports or None,
+                upstream_role=packets.upstream_role,
+                stats=seen,
+            )
         for event in events:
             stats.records += 1
             if isinstance(event, ev.CaptureStart):

@@ -25,7 +25,7 @@ from ..arguments import leaf_exception, positive_float
 from ..bus import EventBus
 from ..capture.files import CaptureWriter, boot_id
 from ..evidence.options import engine_arguments, engine_poller, probe_arguments, stall_prober
-from ..observe.passive import STALL_AFTER, PacketTap, parse_tap_by_port
+from ..observe.passive import ROLES, STALL_AFTER, PacketTap, TapsByPort, parse_tap_by_port
 from ..proxy.relay import loop_options
 from .proxy import capture_arguments, open_capture
 
@@ -34,7 +34,8 @@ log = structlog.get_logger("tracer.cli.sniff")
 SNIFF_EPILOG = """\
 examples:
   tracer sniff --iface lo --port 8000 --capture front.jsonl
-  tracer sniff --iface lo --tap-by-port 8000=front,30000=back --capture router.jsonl \\
+  tracer sniff --iface lo --port 30000 --upstream-role engine --capture engine.jsonl
+  tracer sniff --iface lo --tap-by-port 8000=front,30000=back:engine --capture router.jsonl \\
                --engine-metrics http://127.0.0.1:30000/metrics --duration 600
   tracer analyze front.jsonl
 
@@ -56,7 +57,7 @@ def _port(text: str) -> int:
     return port
 
 
-def _tap_by_port(text: str) -> dict[int, str]:
+def _tap_by_port(text: str) -> TapsByPort:
     try:
         return parse_tap_by_port(text)
     except ValueError as exc:
@@ -83,9 +84,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tap-by-port",
         type=_tap_by_port,
-        metavar="PORT=TAP,...",
+        metavar="PORT=TAP[:ROLE],...",
         help="one tap per server port, e.g. 8000=front,30000=back (both sides of a router on "
-        "its host, as two taps in one capture)",
+        "its host, as two taps in one capture); :ROLE says what the server at that port is "
+        "(engine, router or proxy), e.g. 30000=back:engine",
+    )
+    parser.add_argument(
+        "--upstream-role",
+        choices=ROLES,
+        default=None,
+        help="what the server of --port is: an engine, the router or a proxy, written into "
+        "the capture as `tracer proxy --upstream-role` writes it (a passive tap cannot ask "
+        "it; with --tap-by-port: PORT=TAP:ROLE)",
     )
     parser.add_argument(
         "--tap", default="sniff", metavar="NAME", help="this tap's name in the capture"
@@ -185,12 +195,21 @@ class _Spawner:
 def run(args: argparse.Namespace) -> int:
     from ..observe.live import LiveCapture, open_packet_socket
 
-    taps: dict[int, str] = args.tap_by_port or {}
+    spec: TapsByPort = args.tap_by_port or TapsByPort({})
+    taps = spec.taps
     ports: list[int] = list(dict.fromkeys(args.port))
     if taps and ports:
         raise ValueError("give --port or --tap-by-port, not both")
     if not taps and not ports:
         raise ValueError("give the server port to follow: --port PORT (or --tap-by-port)")
+    if taps and args.upstream_role is not None:
+        raise ValueError(
+            f"--upstream-role {args.upstream_role}: it is for --port; with --tap-by-port give "
+            "the role after the tap's name, e.g. 30000=back:engine"
+        )
+    roles = dict(spec.roles) if taps else {}
+    if args.upstream_role is not None:
+        roles[args.tap] = args.upstream_role
     if taps and (args.capture_max_bytes is not None or args.capture_max_age is not None):
         raise ValueError(
             "--tap-by-port writes several taps into one capture, which is not rolled into "
@@ -224,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
         tap=args.tap,
         ports=ports or None,
         taps=taps or None,
+        roles=roles,
         stall_after=args.stall_after,
         bodies=args.bodies,
         kind="sniff",
@@ -341,7 +361,7 @@ async def _sniff(capture: Any, poller: Any, spawner: _Spawner, args: argparse.Na
             tg.start_soon(poller.run)
         await tg.start(spawner.serve, tg)
         ports = (
-            ",".join(f"{p}={t}" for p, t in args.tap_by_port.items())
+            ",".join(f"{p}={t}" for p, t in args.tap_by_port.taps.items())
             if args.tap_by_port
             else ",".join(map(str, args.port))
         )

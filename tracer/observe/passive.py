@@ -27,7 +27,10 @@ side. ``PacketTap`` turns the second into the first:
    with a reset; ``local`` is never said: a passive tap has no socket of its own), and
    ``conn_close`` (who closed first and how, bytes each way). A connection still open at
    the capture's end is closed by nobody (``closed_by`` ``none``, ``how`` ``unknown``) and
-   what was in flight ends ``in_flight``, as at a tap's stop.
+   what was in flight ends ``in_flight``, as at a tap's stop. A capture cannot fingerprint
+   the server as a tap does; what it is may be declared (``roles``: ``--upstream-role``,
+   ``--tap-by-port 30000=back:engine``), and is written as the inline tap writes a declared
+   role: in the tap's header and a ``topology`` record (basis ``declared``).
 5. Time only moves with packets: before each packet (and at the end) every connection
    with a request in flight whose last bytes are ``stall_after`` old is ticked at the
    moment that became so, so a hang in a capture makes the same ``stall`` records as at a
@@ -51,7 +54,8 @@ import math
 import re
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
 
 from .. import __version__
 from .. import events as ev
@@ -159,8 +163,11 @@ class PacketTap:
     ``ports``: the server ports to follow (None: every connection whose first bytes are
     an HTTP request). ``taps``: server port -> tap name, for several taps out of one
     capture (``--tap-by-port 8000=front,30000=back``); it replaces ``tap`` and ``ports``.
-    ``emit`` gets every event; the tap's header is written at the first packet (or at
-    ``finish``), ``capture_end`` at ``finish``.
+    ``roles``: tap name -> what the server behind its port(s) is (``engine``, ``router``,
+    ``proxy``), as declared (``--upstream-role``, ``30000=back:engine``): in the tap's
+    header and a ``topology`` record (basis ``declared``), as ``tracer proxy
+    --upstream-role`` writes them. ``emit`` gets every event; the tap's header is written
+    at the first packet (or at ``finish``), ``capture_end`` at ``finish``.
     """
 
     def __init__(
@@ -170,6 +177,7 @@ class PacketTap:
         tap: str = "pcap",
         ports: Collection[int] | None = None,
         taps: Mapping[int, str] | None = None,
+        roles: Mapping[str, str] | None = None,
         stall_after: float = STALL_AFTER,
         bodies: Bodies = "requests",
         kind: str = "pcap",
@@ -189,6 +197,7 @@ class PacketTap:
             self._ports = frozenset(ports) if ports is not None else None
             self.taps = [tap]
         self._default_tap = self.taps[0]
+        self.roles = {name: _role(role) for name, role in (roles or {}).items()}
         self.stall_after = stall_after
         self.bodies: Bodies = bodies
         self.kind = kind
@@ -273,8 +282,27 @@ class PacketTap:
                     listen=listen,
                     boot_id=self.boot_id,
                     options=options,
+                    upstream_role=self.roles.get(name),
                 )
             )
+            role = self.roles.get(name)
+            if role is not None:  # declared: written at once, as the inline tap does
+                said = (
+                    "--tap-by-port " + ",".join(f"{p}={name}:{role}" for p in ports or ())
+                    if self._by_port
+                    else f"--upstream-role {role}"
+                )
+                self._emit(
+                    ev.Topology(
+                        t=t,
+                        m=t,
+                        tap=name,
+                        upstream=listen or "*",
+                        upstream_role=role,
+                        basis="declared",
+                        evidence=[f"declared: {said}"],
+                    )
+                )
 
     def advance(self, now: float) -> None:
         """Time is ``now`` (a packet's): tick every connection whose request in flight has
@@ -618,16 +646,39 @@ class PacketTap:
         self._emit_out(event)
 
 
-def parse_tap_by_port(spec: str) -> dict[int, str]:
-    """``8000=front,30000=back`` -> {8000: "front", 30000: "back"}."""
+ROLES: tuple[str, ...] = ("engine", "router", "proxy")  # what may be declared
+Role = Literal["engine", "router", "proxy"]
+
+
+def _role(role: str) -> Role:
+    if role not in ROLES:
+        raise ValueError(f"upstream role must be engine, router or proxy, not {role!r}")
+    return cast(Role, role)
+
+
+@dataclass(frozen=True, slots=True)
+class TapsByPort:
+    """``--tap-by-port``: server port -> tap name, and the roles declared for the taps
+    (tap name -> what the server behind its port is: ``engine``, ``router``, ``proxy``)."""
+
+    taps: dict[int, str]
+    roles: dict[str, Role] = field(default_factory=dict)
+
+
+def parse_tap_by_port(spec: str) -> TapsByPort:
+    """``8000=front,30000=back:engine`` -> taps {8000: "front", 30000: "back"}, roles
+    {"back": "engine"}: ``PORT=TAP[:ROLE]``, the role what the server at the port is (a
+    tap of several ports has one role: given on one of them, or alike on each)."""
     out: dict[int, str] = {}
+    roles: dict[str, Role] = {}
     for part in spec.split(","):
         part = part.strip()
         if not part:
             continue
-        port_s, sep, name = part.partition("=")
-        if not sep or not name.strip():
-            raise ValueError(f"{part!r}: expected PORT=TAP, e.g. 8000=front")
+        port_s, sep, named = part.partition("=")
+        name, colon, role = (x.strip() for x in named.partition(":"))
+        if not sep or not name:
+            raise ValueError(f"{part!r}: expected PORT=TAP or PORT=TAP:ROLE, e.g. 8000=front")
         try:
             port = int(port_s)
         except ValueError:
@@ -636,7 +687,13 @@ def parse_tap_by_port(spec: str) -> dict[int, str]:
             raise ValueError(f"{part!r}: port {port} is out of range")
         if port in out:
             raise ValueError(f"{part!r}: port {port} given twice")
-        out[port] = name.strip()
+        if colon:
+            if role not in ROLES:
+                raise ValueError(f"{part!r}: role must be engine, router or proxy")
+            if roles.get(name, role) != role:
+                raise ValueError(f"{part!r}: tap {name} is given role {roles[name]} too")
+            roles[name] = _role(role)
+        out[port] = name
     if not out:
         raise ValueError("no PORT=TAP given")
-    return out
+    return TapsByPort(out, roles)

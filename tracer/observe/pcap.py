@@ -12,7 +12,10 @@ events are those a tap would have written, with ``t`` the packet times.
 ``events_from_pcap`` gives them for one tap; with ``taps`` (``{8000: "front", 30000:
 "back"}``, or ``parse_tap_by_port("8000=front,30000=back")``) one tap per server port,
 each with its own header, numbering and end, and one clock: the two are joined as
-two captures taken on one host are. What the file says of itself (format, link types,
+two captures taken on one host are. A capture cannot ask a server what it is: the role
+of the server behind a port (``engine``, ``router``, ``proxy``) may be declared
+(``upstream_role``, ``roles``, ``"30000=back:engine"``), and goes into the tap's header
+and a ``topology`` record as ``tracer proxy --upstream-role`` writes it. What the file says of itself (format, link types,
 snapshot length, the kernel's drops) and what the tap saw are in ``PcapStats``. The
 events are given as a capture's reader gives them (a request's OpenAI fields and hashes
 derived from its kept body): a reader of capture files can hand them on as they come.
@@ -33,7 +36,7 @@ import dpkt  # type: ignore[import-untyped]
 from .. import events as ev
 from ..capture.bodies import derive_request_end
 from .packets import PassiveStats
-from .passive import STALL_AFTER, PacketTap, parse_tap_by_port
+from .passive import STALL_AFTER, PacketTap, TapsByPort, parse_tap_by_port
 from .wire import Bodies
 
 PCAPNG_SHB = 0x0A0D0D0A
@@ -64,6 +67,7 @@ __all__ = [
     "InterfaceStatisticsBlockLE",
     "PcapError",
     "PcapStats",
+    "TapsByPort",
     "events_from_pcap",
     "events_from_pcap_by_port",
     "parse_tap_by_port",
@@ -319,20 +323,28 @@ def events_from_pcap(
     tap: str = "pcap",
     ports: Collection[int] | None = None,
     taps: Mapping[int, str] | None = None,
+    upstream_role: str | None = None,
+    roles: Mapping[str, str] | None = None,
     stats: PcapStats | None = None,
     stall_after: float = STALL_AFTER,
     bodies: Bodies = "requests",
     loss_evidence: bool = True,
 ) -> Iterator[ev.Event]:
     """The events a tap would have written for the HTTP/1.1 connections in a capture
-    file, in order: each tap's ``capture_start`` (``kind`` ``pcap``), the connections'
+    file, in order: each tap's ``capture_start`` (``kind`` ``pcap``; then its ``topology``
+    when its role is declared), the connections'
     events with ``t`` = ``m`` = packet times, what the capture lost (``capture_loss``,
     unless ``loss_evidence`` is False), each tap's ``capture_end``.
 
     ``ports``: server ports to follow (None: every connection whose first bytes are an
     HTTP request). ``taps``: server port -> tap name (several taps; replaces ``tap`` and
-    ``ports``). ``stats`` is filled in as the events are read.
+    ``ports``). ``upstream_role``: what the server is (``engine``, ``router``,
+    ``proxy``) for the one tap; ``roles``: the same per tap name, with ``taps``; both as
+    declared (the header's ``upstream_role`` and a ``topology`` record, basis
+    ``declared``). ``stats`` is filled in as the events are read.
     """
+    if upstream_role is not None and taps:
+        raise ValueError("upstream_role is for one tap: with taps, give roles (tap -> role)")
     stats = stats if stats is not None else PcapStats()
     out: list[ev.Event] = []
     name = Path(path).name
@@ -341,6 +353,7 @@ def events_from_pcap(
         tap=tap,
         ports=ports,
         taps=taps,
+        roles={**(roles or {}), **({tap: upstream_role} if upstream_role is not None else {})},
         stall_after=stall_after,
         bodies=bodies,
         kind="pcap",
@@ -373,19 +386,26 @@ def _as_read(event: ev.Event) -> ev.Event:
 
 def events_from_pcap_by_port(
     path: str | os.PathLike[str],
-    taps: Mapping[int, str] | str,
+    taps: Mapping[int, str] | str | TapsByPort,
     *,
+    roles: Mapping[str, str] | None = None,
     stats: PcapStats | None = None,
     stall_after: float = STALL_AFTER,
     bodies: Bodies = "requests",
     loss_evidence: bool = True,
 ) -> Iterator[ev.Event]:
     """Several taps out of one capture, one per server port: ``taps`` as
-    ``{8000: "front", 30000: "back"}`` or ``"8000=front,30000=back"``."""
-    by_port = parse_tap_by_port(taps) if isinstance(taps, str) else dict(taps)
+    ``{8000: "front", 30000: "back"}`` (with ``roles``, e.g. ``{"back": "engine"}``) or
+    ``"8000=front,30000=back:engine"``."""
+    spec = parse_tap_by_port(taps) if isinstance(taps, str) else taps
+    if isinstance(spec, TapsByPort):
+        by_port, declared = dict(spec.taps), {**spec.roles, **(roles or {})}
+    else:
+        by_port, declared = dict(spec), dict(roles or {})
     return events_from_pcap(
         path,
         taps=by_port,
+        roles=declared,
         stats=stats,
         stall_after=stall_after,
         bodies=bodies,

@@ -119,22 +119,44 @@ def packet_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--tap-by-port",
-        metavar="PORT=TAP,...",
+        metavar="PORT=TAP[:ROLE],...",
         help="one tap per server port, e.g. 8000=front,30000=back (a capture taken on the "
-        "router's host, both sides of it, is then read as two taps)",
+        "router's host, both sides of it, is then read as two taps); :ROLE says what the "
+        "server at that port is (engine, router or proxy), e.g. 30000=back:engine",
+    )
+    group.add_argument(
+        "--upstream-role",
+        choices=["engine", "router", "proxy"],
+        default=None,
+        help="what the server of the one tap (--port, or every HTTP stream) is: an engine, "
+        "the router or a proxy (a capture cannot ask it; declared as `tracer proxy "
+        "--upstream-role` declares it; with --tap-by-port: PORT=TAP:ROLE)",
     )
 
 
 def packet_options(args: argparse.Namespace) -> PacketOptions:
     taps: dict[int, str] = {}
+    roles: dict[str, str] = {}
+    role = getattr(args, "upstream_role", None)
     if getattr(args, "tap_by_port", None):
         from ..observe.passive import parse_tap_by_port
 
-        taps = parse_tap_by_port(args.tap_by_port)  # ValueError: a usage error
+        spec = parse_tap_by_port(args.tap_by_port)  # ValueError: a usage error
+        taps, roles = spec.taps, dict(spec.roles)
+        if role is not None:
+            raise ValueError(
+                f"--upstream-role {role}: it is for one tap; with --tap-by-port give the "
+                "role after the tap's name, e.g. 30000=back:engine"
+            )
     for port in getattr(args, "port", []):
         if not 0 < port < 65536:
             raise ValueError(f"--port {port}: not a port number")
-    return PacketOptions(ports=tuple(getattr(args, "port", [])), taps=tuple(taps.items()))
+    return PacketOptions(
+        ports=tuple(getattr(args, "port", [])),
+        taps=tuple(taps.items()),
+        upstream_role=role,
+        roles=tuple(roles.items()),
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 from ..analysis.summary import Summary
 from ..atomic import write_atomically
 from ..times import parse_time
-from .analyze import incident_arguments
+from .analyze import incident_arguments, packet_arguments, packet_options
 from .report_document import build, load, to_json
 from .report_markdown import _Clock as _Clock  # (re-exported: the tests' clock)
 from .report_markdown import to_markdown
@@ -48,6 +48,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--json", metavar="FILE.json", help="also write the report as JSON (tracer.report/2)"
     )
     incident_arguments(parser)
+    packet_arguments(parser)
     parser.add_argument(
         "--max-lanes",
         type=int,
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{option} {name}: directory {Path(name).parent} does not exist")
     if args.max_lanes < 1:
         raise ValueError(f"--max-lanes {args.max_lanes}: must be at least 1")
-    summary, captures = load(args.captures)
+    summary, captures = load(args.captures, packet_options(args))
     with summary:  # its rows may spill to temporary files: removed at the end
         return _write(args, summary, captures)
 

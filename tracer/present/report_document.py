@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .. import __version__
 from ..analysis.findings import Context, Evidence
 from ..analysis.summary import Summary
-from ..capture.files import CaptureError, expand_captures, read_into
+from ..capture.files import PACKETS, CaptureError, PacketOptions, expand_captures, read_into
 from .report_engine import engine_around
 
 if TYPE_CHECKING:
@@ -26,18 +26,21 @@ if TYPE_CHECKING:
 SCHEMA = "tracer.report/2"
 
 
-def load(paths: list[str]) -> tuple[Summary, list[dict[str, Any]]]:
-    """Feed every capture to one Summary; per capture: its hash and what reading it found."""
+def load(
+    paths: list[str], packets: PacketOptions = PACKETS
+) -> tuple[Summary, list[dict[str, Any]]]:
+    """Feed every capture to one Summary; per capture: its hash and what reading it found
+    (``packets``: how a pcap is read as taps)."""
     summary = Summary()
     try:
-        captures = [_feed(summary, path) for path in expand_captures(paths)]
+        captures = [_feed(summary, path, packets) for path in expand_captures(paths)]
     except BaseException:
         summary.close()
         raise
     return summary, captures
 
 
-def _feed(summary: Summary, path: str) -> dict[str, Any]:
+def _feed(summary: Summary, path: str, packets: PacketOptions) -> dict[str, Any]:
     """One capture into the summary; what reading it found, and its hash."""
     try:
         with open(path, "rb") as fh:
@@ -45,7 +48,7 @@ def _feed(summary: Summary, path: str) -> dict[str, Any]:
         size = Path(path).stat().st_size
     except OSError as exc:
         raise CaptureError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    stats = read_into(path, summary.feed)
+    stats = read_into(path, summary.feed, packets)
     if stats.records == 0:
         raise CaptureError(f"{path}: empty, not a tracer capture")
     return {

@@ -32,6 +32,7 @@ import anyio
 from ..arguments import http_url, positive_float
 from ..capture.files import CaptureWriter
 from ..errors import start_error
+from ..present.analyze import packet_arguments, packet_options
 from ..protocol.addresses import parse_upstream
 from ..proxy.relay import Tap, TapConfig
 from ..wording import counted
@@ -48,7 +49,12 @@ SETTLE = 2.0  # at most this long for the tap to record the last closes
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
-    parser.add_argument("capture", metavar="CAPTURE", help="a capture of `tracer proxy`")
+    parser.add_argument(
+        "capture",
+        metavar="CAPTURE",
+        help="a capture of `tracer proxy` (or of tcpdump: the one tap --port says)",
+    )
+    packet_arguments(parser)
     parser.add_argument(
         "--target",
         required=True,
@@ -185,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     if out.exists():
         raise ValueError(f"--capture {out} exists; choose another file")
     try:
-        original = load(args.capture)
+        original = load(args.capture, packet_options(args))
     except OSError as exc:
         print(f"tracer: cannot read {args.capture}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_INPUT

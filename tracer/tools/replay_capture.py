@@ -34,7 +34,9 @@ from .. import events as ev
 from ..analysis.summary import RequestRow, Summary
 from ..capture.bodies import decode_body
 from ..capture.files import (
+    PACKETS,
     CaptureError,
+    PacketOptions,
     ReadStats,
     expand_captures,
     file_kind,
@@ -120,7 +122,7 @@ class Capture:
         return outcome(self.rows.get((req.conn, req.seq)), req, self.end_m)
 
 
-def load(path: str | os.PathLike[str]) -> Capture:
+def load(path: str | os.PathLike[str], packets: PacketOptions = PACKETS) -> Capture:
     """Fold a capture file (or the segments of a rotated one: its folder); raises
     CaptureError (unreadable) or ValueError (not one tap)."""
     stats = ReadStats()
@@ -138,7 +140,7 @@ def load(path: str | os.PathLike[str]) -> Capture:
             raise CaptureError(not_a_capture(name, kind))
     kind = "proxy"
     try:
-        events = (e for seg in files for e in read_events(seg, stats))
+        events = (e for seg in files for e in read_events(seg, stats, packets))
         for event in events:
             summary.feed(event)
             end_m = max(end_m, event.m)
