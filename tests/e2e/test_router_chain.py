@@ -291,8 +291,9 @@ async def test_taps_on_the_legs_of_pd_disaggregation(tmp_path: Path) -> None:
     the cut is a note."""
     front, p, d = (tmp_path / f"{name}.jsonl" for name in ("front", "p", "d"))
     async with (
-        engine_running(  # its cut comes after the decode leg began, even on a busy machine
-            ttft=0.0, itl=0.06, engine_type="prefill", faults=[parse_fault("close:after=2@nth=2")]
+        engine_running(  # its cut comes well after the decode leg began, even on a busy
+            # machine: the legs are sent together, and this one answers 0.3 s later
+            ttft=0.3, itl=0.02, engine_type="prefill", faults=[parse_fault("close:after=2@nth=2")]
         ) as prefill,
         engine_running(ttft=0.0, itl=0.002, engine_type="decode") as decode,
         _tap("p", prefill.url, p) as p_tap,
