@@ -8,20 +8,23 @@
 Theory of operation
 -------------------
 A thin adapter: mitmproxy parses HTTP and calls hooks; this addon takes from each hook
-the facts the tracer needs (times, ids, heads, body pieces: ``tracer/observe/flows.py``, ``FACTS``)
-and hands them to ``tracer.observe.flows.FlowObserver``, which turns them into the tracer's typed
-events (``tracer/events.py``) and writes them with the tracer's capture writer,
-classifying SSE with ``tracer/protocol/sse.py`` and redacting headers with ``tracer/redact.py``.
-``tracer analyze`` reads the result like any other capture (``capture_start.kind`` is
-``mitmproxy``).
+the facts the tracer needs (times, ids, heads, body pieces: the named tuples of
+``tracer/observe/facts.py``) and hands them to ``tracer.observe.flows.FlowObserver``,
+which drives the exchange tracker the native tap uses (``tracer/observe/exchange.py``)
+and writes the tracer's typed events (``tracer/events.py``) with its capture writer,
+classifying SSE with ``tracer/protocol/sse.py`` and redacting headers with
+``tracer/redact.py``. ``tracer analyze`` reads the result like any other capture
+(``capture_start.kind`` is ``mitmproxy``). What it reads of mitmproxy's internals is in
+``trace_mitm.py`` beside it.
 
-The engine runs in a capture process of its own (``python -m tracer.observe.flows``, started when
-the capture opens; ``tracer_sidecar=false`` runs it in mitmproxy's process instead): the
-facts go to it in batches every ``SHIP_INTERVAL`` over a pipe that never blocks
-mitmproxy. So the work per request and per SSE event (the SSE classification, the body
-and request records, their JSON) is not done on mitmproxy's core: done there it cost
-mitmdump 9-12 % of its throughput, and this way about 1 % (``bench/README.md``). The
-capture process keeps to the cores mitmproxy is not pinned to, when there are any.
+The engine runs in a capture process of its own (``python -m tracer.observe.flow_process``,
+started when the capture opens; ``tracer_sidecar=false`` runs it in mitmproxy's process
+instead): the facts go to it in batches every ``SHIP_INTERVAL`` over a pipe that never
+blocks mitmproxy (``tracer/observe/flow_pipe.py``). So the work per request and per SSE
+event (the SSE classification, the body and request records, their JSON) is not done on
+mitmproxy's core: done there it cost mitmdump 9-12 % of its throughput, and this way
+about 1 % (``bench/README.md``). The capture process keeps to the cores mitmproxy is not
+pinned to, when there are any.
 
 =========================  ===============================================================
 mitmproxy hook             events
@@ -69,7 +72,7 @@ Rules:
    cannot be reached, or a response an addon set). On HTTP/2 from the client a stream's
    end is that stream's alone, each stream in flight is watched for stalls by its own
    last sign of life, and the bytes mitmproxy holds for the client under flow control
-   are followed (``FlowObserver._delivery_check``): a streamed response ends when they
+   are followed (``FlowConn.delivery_check``): a streamed response ends when they
    have left.
 4. What mitmproxy does not show is not invented: chunk boundaries (``chunks`` is 0),
    FIN versus reset (``close`` is absent; ``conn_close.how`` is ``unknown``), half-close.
@@ -83,60 +86,38 @@ Rules:
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import errno
-import fcntl
 import importlib.util
 import logging
 import os
-import struct
-import subprocess
 import sys
-import termios
-import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
 if importlib.util.find_spec("tracer") is None:  # a mitmdump without tracer installed
     sys.path.append(str(Path(__file__).resolve().parent.parent))
+if importlib.util.find_spec("trace_mitm") is None:  # loaded by path, not by mitmproxy's -s
+    sys.path.append(str(Path(__file__).resolve().parent))
 
 from mitmproxy import connection, ctx, exceptions, http, tls
 from mitmproxy import version as mitmproxy_version
 from mitmproxy.addonmanager import Loader
 from mitmproxy.proxy import server_hooks
-from mitmproxy.proxy.layer import NextLayer
-from mitmproxy.proxy.layers.http import HttpLayer
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
+from trace_mitm import client_backlog, h2_of, held_now, reset_by_client, stream_id
 
-import tracer
 from tracer import __version__
 from tracer.capture.files import boot_id
-from tracer.observe.exchange import BODY_BATCH_READS
-from tracer.observe.flow_process import frame, open_engine
-from tracer.observe.flows import (
-    BIG_PIECE,
-    BODIES,
-    MAX_KEPT_BYTES,
-    ContentShape,
-    FlowObserver,
-    Settings,
-    SseObserver,
-)
+from tracer.observe import facts
+from tracer.observe.exchange import BODY_BATCH_READS, MAX_KEPT_BYTES, tick_interval
+from tracer.observe.flow_pipe import CLOSE_WAIT, CaptureProcess, FactShipper, FlowPieces, StreamFn
+from tracer.observe.flow_process import open_engine
+from tracer.observe.flows import BODIES, Settings
 from tracer.protocol.sse import is_event_stream
 
-__all__ = ["BODY_BATCH_READS", "MAX_KEPT_BYTES", "ContentShape", "SseObserver", "TraceAddon"]
+__all__ = ["BODY_BATCH_READS", "MAX_KEPT_BYTES", "TraceAddon"]
 
 log = logging.getLogger(__name__)
-
-StreamFn = Callable[[bytes], Iterable[bytes] | bytes]
-Fact = tuple[Any, ...]
-SHIP_INTERVAL = 0.005  # facts wait at most this long for the capture process
-MAX_BACKLOG = 64 << 20  # bytes of facts waiting for a slow capture process, at most
-PIPE_SIZE = 1 << 20  # asked of the kernel for the pipe (its default is 64 KiB)
-CLOSE_WAIT = 30.0  # seconds the capture process gets to write what it has, at the end
 
 
 class _Client:
@@ -149,49 +130,34 @@ class _Client:
         self.cid: str = client.id
         self.flows: dict[str, _Flow] = {}
         # mitmproxy's HTTP layer and HTTP/2 connection for it, found on the first stream
-        # (``_h2_of``; None when its internals are not as expected): where the bytes it
+        # (``h2_of``; None when its internals are not as expected): where the bytes it
         # holds for the client under HTTP/2 flow control are
         self.h2_looked = False
         self.h2_layer: Any = None
         self.h2: Any = None
 
 
-class _Flow:
-    """A flow in flight: its body pieces not yet handed to the engine, and what to give
-    back to mitmproxy when it ends."""
+class _Flow(FlowPieces):
+    """A flow in flight: its body pieces not yet handed to the engine (``FlowPieces``),
+    and what to give back to mitmproxy when it ends."""
 
     __slots__ = (
         "answered",
-        "body_end",
         "client",
-        "dirty",
-        "fid",
         "h2",
         "injected",
-        "keep",
-        "pieces",
         "req_chain",
-        "req_pieces",
-        "req_times",
         "request_seen",
         "resp_chain",
         "stream_id",
         "streamed_request",
         "streamed_response",
-        "times",
         "upstream_done",
     )
 
     def __init__(self, fid: str, client: _Client) -> None:
-        self.fid = fid
+        super().__init__(fid)
         self.client = client
-        self.times: list[float] = []  # response pieces: arrival times ...
-        self.pieces: list[Any] = []  # ... and the pieces (or their sizes: ``keep``)
-        self.keep = False  # the engine needs the pieces themselves (SSE, bodies=all)
-        self.req_times: list[float] = []  # a streamed request body's pieces
-        self.req_pieces: list[bytes] = []
-        self.dirty = False  # has pieces the engine has not had yet
-        self.body_end: float | None = None  # mitmproxy's end-of-message call
         self.request_seen = False
         self.answered = False  # an addon answered before the upstream was asked
         self.streamed_request = False
@@ -204,153 +170,20 @@ class _Flow:
         self.upstream_done = False  # HTTP/2: ended upstream, last bytes held for the client
 
 
-class _CaptureProcess:
-    """The capture process and the pipe to it, written without ever blocking mitmproxy."""
-
-    def __init__(self, path: str, settings: Settings, header: dict[str, Any]) -> None:
-        env = dict(os.environ)
-        root = str(Path(tracer.__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tracer.observe.flow_process"], stdin=subprocess.PIPE, env=env
-        )
-        assert self.proc.stdin is not None
-        self.stdin = self.proc.stdin
-        self.fd = self.stdin.fileno()
-        set_size = getattr(fcntl, "F_SETPIPE_SZ", None)  # Linux only
-        with contextlib.suppress(OSError):  # else the kernel's default size will do
-            if set_size is not None:
-                fcntl.fcntl(self.fd, set_size, PIPE_SIZE)
-        os.set_blocking(self.fd, False)
-        self.backlog = bytearray()
-        self.lost_facts = self.lost_bytes = 0
-        self.gone = False
-        self._waiting = False  # for the pipe to take more (the loop's add_writer)
-        self.send([("open", path, asdict(settings), header)])
-
-    def send(self, facts: list[Fact], *, last: bool = False) -> None:
-        """Queue a batch and write what the pipe takes; past ``MAX_BACKLOG`` the batch is
-        dropped and counted (a ``lost`` fact says so once the backlog has room again, or
-        with the ``last`` batch, which is never dropped: ``close`` waits for it)."""
-        if self.gone or not facts:
-            return
-        if self.lost_facts and (last or len(self.backlog) < MAX_BACKLOG // 2):
-            lost = ("lost", time.monotonic(), self.lost_facts, self.lost_bytes)
-            facts = [lost, *facts]
-            self.lost_facts = self.lost_bytes = 0
-        try:
-            data = frame(facts)
-        except ValueError:  # a value marshal cannot take (mitmproxy gave something odd)
-            data = self._frame_what_can_go(facts)
-        if not last and len(self.backlog) + len(data) > MAX_BACKLOG:
-            self.lost_facts += len(facts)
-            self.lost_bytes += len(data)
-            return
-        self.backlog += data
-        if not last:
-            self._write()
-
-    def _frame_what_can_go(self, facts: list[Fact]) -> bytes:
-        """The batch without the facts that cannot be sent, each logged and counted."""
-        good: list[Fact] = []
-        for fact in facts:
-            try:
-                frame([fact])
-            except ValueError:
-                self.lost_facts += 1
-                log.error("tracer: a %s fact could not be sent: %r", fact[0], fact)
-            else:
-                good.append(fact)
-        return frame(good)
-
-    def _write(self) -> None:
-        """Write what the pipe takes now; wait for it to take more in mitmproxy's loop."""
-        self._waiting = False
-        try:
-            self._write_backlog()
-        except BlockingIOError:
-            self._wait_writable()
-        except OSError as exc:
-            self._lost(exc)
-
-    def _write_backlog(self) -> None:
-        while self.backlog:
-            written = os.write(self.fd, self.backlog)
-            del self.backlog[:written]
-
-    def _wait_writable(self) -> None:
-        if self._waiting:
-            return
-        try:
-            asyncio.get_running_loop().add_writer(self.fd, self._writable)
-            self._waiting = True
-        except RuntimeError:  # no loop: the next send or the close writes it
-            pass
-
-    def _writable(self) -> None:
-        with contextlib.suppress(RuntimeError):
-            asyncio.get_running_loop().remove_writer(self.fd)
-        self._write()
-
-    def _lost(self, exc: OSError) -> None:
-        self.gone = True
-        self.backlog.clear()
-        code = self.proc.poll()
-        why = "broken pipe" if exc.errno == errno.EPIPE else (exc.strerror or str(exc))
-        log.error(
-            "tracer: the capture process is gone (%s, exit %s); tracing stopped, traffic goes on",
-            why,
-            code,
-        )
-
-    def close(self, facts: list[Fact], *, wait: bool) -> threading.Thread | None:
-        """Send the last facts, let the process write them all, and wait for it: here
-        (``wait``: mitmproxy is stopping), or in a thread of its own, returned, so that
-        mitmproxy's loop goes on meanwhile (a capture file changed while it runs)."""
-        self.send(facts, last=True)
-        if self._waiting:
-            with contextlib.suppress(RuntimeError):
-                asyncio.get_running_loop().remove_writer(self.fd)
-        if wait:
-            self._finish()
-            return None
-        finishing = threading.Thread(target=self._finish, name="tracer-capture-close")
-        finishing.start()
-        return finishing
-
-    def _finish(self) -> None:
-        if not self.gone:
-            os.set_blocking(self.fd, True)
-            try:
-                self._write_backlog()
-            except OSError as exc:
-                self._lost(exc)
-        with contextlib.suppress(OSError):
-            self.stdin.close()
-        try:
-            self.proc.wait(CLOSE_WAIT)
-        except subprocess.TimeoutExpired:
-            log.error("tracer: the capture process did not finish in %.0f s", CLOSE_WAIT)
-
-
-class TraceAddon:
-    """mitmproxy hooks in, facts for ``tracer.observe.flows.FlowObserver`` out."""
+class TraceAddon(FactShipper):
+    """mitmproxy hooks in, facts for ``tracer.observe.flows.FlowObserver`` out (shipped
+    by ``FactShipper``)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.tap = "mitmproxy"
         self.stall_after = 5.0
         self.bodies = "requests"
         self.body_memory = 64 * 1024 * 1024
         self.sidecar = True
-        self.engine: FlowObserver | None = None  # tracer_sidecar=false
-        self.process: _CaptureProcess | None = None  # tracer_sidecar=true
         self._clients: dict[str, _Client] = {}  # by mitmproxy's client connection id
         self._flows: dict[str, _Flow] = {}  # by flow id
-        self._facts: list[Fact] = []  # for the capture process, not sent yet
-        self._dirty: list[_Flow] = []  # flows with pieces the engine has not had
-        self._ship_handle: asyncio.TimerHandle | asyncio.Handle | None = None
         self._ticker: asyncio.Task[None] | None = None
-        self._closing: list[threading.Thread] = []  # earlier captures' processes finishing
 
     # ---- options ----------------------------------------------------------------------
 
@@ -453,7 +286,7 @@ class TraceAddon:
         header = self._header(wall)
         if self.sidecar:
             try:
-                self.process = _CaptureProcess(str(full), settings, header)
+                self.process = CaptureProcess(str(full), settings, header)
             except OSError as exc:
                 raise _options_error(
                     f"tracer_capture: cannot start the capture process: {exc.strerror or exc}"
@@ -499,96 +332,9 @@ class TraceAddon:
         """Settle what is open (in flight, closed by the tap) and end the capture."""
         if not self._on:
             return
-        self._drain_all()
-        close: Fact = ("close", time.monotonic(), reason)
-        if self._ship_handle is not None:
-            self._ship_handle.cancel()
-            self._ship_handle = None
-        process, self.process = self.process, None
-        engine, self.engine = self.engine, None
-        facts, self._facts = self._facts, []
-        if process is not None:
-            finishing = process.close([*facts, close], wait=wait)
-            self._closing = [t for t in self._closing if t.is_alive()]
-            if finishing is not None:
-                self._closing.append(finishing)
-        if engine is not None:
-            engine.apply(close)
+        self._stop(reason, wait=wait)
         self._clients.clear()
         self._flows.clear()
-
-    @property
-    def _on(self) -> bool:
-        """Tracing: a capture is open (its engine here, or its capture process)."""
-        return self.engine is not None or self.process is not None
-
-    # ---- facts out ----------------------------------------------------------------------
-
-    def _put(self, fact: Fact) -> None:
-        engine = self.engine
-        if engine is not None:
-            engine.apply(fact)
-        elif self.process is not None:
-            self._facts.append(fact)
-            if self._ship_handle is None:
-                self._schedule(SHIP_INTERVAL)
-
-    def _schedule(self, delay: float) -> None:
-        """Ship in ``delay`` (0: in the loop's next round, after the piece at hand went
-        on); at once when there is no loop to ask."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self._ship()
-            return
-        if self._ship_handle is not None:
-            if delay > 0:
-                return
-            self._ship_handle.cancel()
-        self._ship_handle = (
-            loop.call_soon(self._ship) if delay <= 0 else loop.call_later(delay, self._ship)
-        )
-
-    def _ship(self) -> None:
-        """Hand the pieces gathered to the engine, and the facts to the capture process."""
-        self._ship_handle = None
-        try:
-            self._drain_all()
-            if self.process is not None and self._facts:
-                facts, self._facts = self._facts, []
-                self.process.send(facts)
-        except Exception:  # observation must never stop mitmproxy
-            log.exception("tracer: handing facts on failed")
-
-    def _drain_all(self) -> None:
-        dirty, self._dirty = self._dirty, []
-        for flow in dirty:
-            self._drain(flow)
-
-    def _drain(self, flow: _Flow) -> None:
-        """The flow's pieces so far, as facts (before any later fact of the flow)."""
-        if not flow.dirty:
-            return
-        flow.dirty = False
-        if flow.req_times:
-            self._put(("request_pieces", flow.fid, flow.req_times[:], flow.req_pieces[:]))
-            flow.req_times.clear()
-            flow.req_pieces.clear()
-        if flow.times:
-            self._put(("pieces", flow.fid, flow.times[:], flow.pieces[:]))
-            flow.times.clear()
-            flow.pieces.clear()
-
-    def _mark(self, flow: _Flow, soon: bool) -> None:
-        """The flow has pieces to hand on: with the next ship, or in the loop's next round
-        when ``soon`` (many or big pieces: what is kept stays bounded)."""
-        if not flow.dirty:
-            flow.dirty = True
-            self._dirty.append(flow)
-        if soon:
-            self._schedule(0)
-        elif self._ship_handle is None:
-            self._schedule(SHIP_INTERVAL)
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -607,8 +353,7 @@ class TraceAddon:
 
     async def _tick_loop(self) -> None:
         while True:
-            interval = max(0.05, min(0.25, self.stall_after / 4))
-            await asyncio.sleep(interval)
+            await asyncio.sleep(tick_interval(self.stall_after))
             try:
                 self.tick(time.monotonic())
             except Exception:  # observation must never stop mitmproxy
@@ -627,14 +372,14 @@ class TraceAddon:
         for client in self._clients.values():
             if not client.flows:
                 continue
-            backlog[client.cid] = _client_backlog(client.client)
+            backlog[client.cid] = client_backlog(client.client)
             for flow in client.flows.values():
                 if flow.h2 is not None and flow.stream_id is not None:
-                    held = _held_now(flow)
-                    streams[flow.fid] = (held, _reset_by_client(flow))
+                    held = held_now(flow.h2, flow.stream_id)
+                    streams[flow.fid] = (held, reset_by_client(flow.h2, flow.stream_id))
                     if flow.upstream_done and not held:
                         delivered.append(flow)  # the engine ends it with this tick
-        self._put(("tick", now, backlog, streams))
+        self._put(facts.Tick(now, backlog, streams))
         for flow in delivered:
             self._forget(flow)
         if self.process is not None:
@@ -647,7 +392,7 @@ class TraceAddon:
         if known is None:
             known = self._clients[client.id] = _Client(client)
             now = time.monotonic()
-            self._put(("conn", client.id, now, client.timestamp_start, client.peername, client.sockname))  # fmt: skip
+            self._put(facts.Conn(client.id, now, client.timestamp_start, client.peername, client.sockname))  # fmt: skip
         return known
 
     def client_connected(self, client: connection.Client) -> None:
@@ -658,21 +403,21 @@ class TraceAddon:
         if self._on:
             cid = self._client(data.client).cid
             now = time.monotonic()
-            self._put(("upstream", cid, now, "start", data.server.address, None, None, None, None))  # fmt: skip
+            self._put(facts.Upstream(cid, now, "start", data.server.address, None, None, None, None))  # fmt: skip
 
     def server_connected(self, data: server_hooks.ServerConnectionHookData) -> None:
         if self._on:
             s = data.server
             cid = self._client(data.client).cid
             now = time.monotonic()
-            self._put(("upstream", cid, now, "done", s.address, s.sockname, s.timestamp_start, s.timestamp_tcp_setup, None))  # fmt: skip
+            self._put(facts.Upstream(cid, now, "done", s.address, s.sockname, s.timestamp_start, s.timestamp_tcp_setup, None))  # fmt: skip
 
     def server_connect_error(self, data: server_hooks.ServerConnectionHookData) -> None:
         if self._on:
             s = data.server
             cid = self._client(data.client).cid
             now = time.monotonic()
-            self._put(("upstream", cid, now, "failed", s.address, None, s.timestamp_start, None, s.error))  # fmt: skip
+            self._put(facts.Upstream(cid, now, "failed", s.address, None, s.timestamp_start, None, s.error))  # fmt: skip
 
     def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
         if not self._on:
@@ -682,7 +427,7 @@ class TraceAddon:
             return
         s = data.server
         now = time.monotonic()
-        self._put(("upstream_closed", known.cid, now, s.timestamp_end, s.address, s.sockname, s.error))  # fmt: skip
+        self._put(facts.UpstreamClosed(known.cid, now, s.timestamp_end, s.address, s.sockname, s.error))  # fmt: skip
 
     def tls_failed_client(self, data: tls.TlsData) -> None:
         self._tls_failed(data, "client")
@@ -693,7 +438,7 @@ class TraceAddon:
     def _tls_failed(self, data: tls.TlsData, direction: Literal["client", "upstream"]) -> None:
         if self._on:
             cid = self._client(data.context.client).cid
-            self._put(("tls_failed", cid, time.monotonic(), direction, data.conn.error))
+            self._put(facts.TlsFailed(cid, time.monotonic(), direction, data.conn.error))
 
     def client_disconnected(self, client: connection.Client) -> None:
         if not self._on:
@@ -704,7 +449,7 @@ class TraceAddon:
         for flow in known.flows.values():  # no hook for them any more: settled here
             self._drain(flow)
             self._flows.pop(flow.fid, None)
-        self._put(("client_gone", client.id, time.monotonic()))
+        self._put(facts.ClientGone(client.id, time.monotonic()))
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -719,9 +464,9 @@ class TraceAddon:
         if req.http_version.startswith(("HTTP/2", "HTTP/3")):
             if not client.h2_looked:
                 client.h2_looked = True
-                client.h2_layer, client.h2 = _h2_of(flow.client_conn)
+                client.h2_layer, client.h2 = h2_of(flow.client_conn)
             if client.h2 is not None:
-                state.stream_id = _stream_id(client.h2_layer, flow)
+                state.stream_id = stream_id(client.h2_layer, flow)
                 if state.stream_id is not None:
                     state.h2 = client.h2
                     h2 = True
@@ -729,25 +474,11 @@ class TraceAddon:
         self._flows[flow.id] = state
         line = len(req.data.method) + len(req.data.path)
         streamed = bool(req.stream)
-        self._put(("request", flow.id, client.cid, now, req.timestamp_start, req.method, req.path, req.http_version, req.headers.fields, line, streamed, h2))  # fmt: skip
+        self._put(facts.Request(flow.id, client.cid, now, req.timestamp_start, req.method, req.path, req.http_version, req.headers.fields, line, streamed, h2))  # fmt: skip
         if streamed:  # another addon streams the request: count it as it goes by
             state.streamed_request = True
             state.req_chain = req.stream
             req.stream = self._request_observer(state, req.stream)
-
-    def _request_observer(self, state: _Flow, chain: StreamFn | bool) -> StreamFn:
-        times, pieces = state.req_times, state.req_pieces
-        monotonic = time.monotonic
-        then = chain if callable(chain) else None
-
-        def observe(data: bytes) -> Iterable[bytes] | bytes:
-            if data:
-                times.append(monotonic())
-                pieces.append(data)
-                self._mark(state, len(times) >= BODY_BATCH_READS or len(data) >= BIG_PIECE)
-            return data if then is None else then(data)
-
-        return observe
 
     def request(self, flow: http.HTTPFlow) -> None:
         state = self._flows.get(flow.id)
@@ -758,7 +489,7 @@ class TraceAddon:
         self._drain(state)
         req = flow.request
         content = None if state.streamed_request else req.raw_content
-        self._put(("request_end", flow.id, time.monotonic(), req.timestamp_end, content, state.answered))  # fmt: skip
+        self._put(facts.RequestEnd(flow.id, time.monotonic(), req.timestamp_end, content, state.answered))  # fmt: skip
 
     # ---- responses --------------------------------------------------------------------
 
@@ -773,31 +504,11 @@ class TraceAddon:
         state.keep = sse or self.bodies == "all"
         streamed = not state.answered and (sse or bool(resp.stream))
         line = len(resp.data.reason)
-        self._put(("response", flow.id, now, resp.timestamp_start, resp.status_code, resp.reason, resp.http_version, fields, line, streamed))  # fmt: skip
+        self._put(facts.Response(flow.id, now, resp.timestamp_start, resp.status_code, resp.reason, resp.http_version, fields, line, streamed))  # fmt: skip
         if streamed:  # SSE must not be buffered (mitmproxy #4469)
             state.streamed_response = True
             state.resp_chain = resp.stream
             resp.stream = self._response_observer(state, resp.stream)
-
-    def _response_observer(self, state: _Flow, chain: StreamFn | bool) -> StreamFn:
-        """The stream callable: the hot path, one call per piece of body. It takes the
-        piece's time and keeps the piece (or its size) for the next ship."""
-        times, pieces, keep = state.times, state.pieces, state.keep
-        monotonic = time.monotonic
-        then = chain if callable(chain) else None
-
-        def observe(data: bytes) -> Iterable[bytes] | bytes:
-            if data:
-                times.append(monotonic())
-                pieces.append(data if keep else len(data))
-                soon = len(times) >= BODY_BATCH_READS or len(data) >= BIG_PIECE
-                if soon or not state.dirty:
-                    self._mark(state, soon)
-            elif state.body_end is None:  # mitmproxy's end-of-message call
-                state.body_end = monotonic()
-            return data if then is None else then(data)
-
-        return observe
 
     def response(self, flow: http.HTTPFlow) -> None:
         state = self._flows.get(flow.id)
@@ -810,8 +521,8 @@ class TraceAddon:
             raw = resp.raw_content
             content = raw if raw is None or state.keep else len(raw)
         request = None if state.request_seen else flow.request.raw_content
-        held = _held_now(state) if state.h2 is not None else None
-        self._put(("response_end", flow.id, time.monotonic(), resp.timestamp_end, state.body_end, content, request, held))  # fmt: skip
+        held = held_now(state.h2, state.stream_id) if state.h2 is not None else None
+        self._put(facts.ResponseEnd(flow.id, time.monotonic(), resp.timestamp_end, state.body_end, content, request, held))  # fmt: skip
         if state.injected == "stall-after-events":  # held for good by faults.py: in flight
             return
         if held:  # the engine ends it when the bytes have left (tick)
@@ -831,7 +542,7 @@ class TraceAddon:
         request = None if state.request_seen else flow.request.raw_content
         msg = err.msg if err is not None else "error"
         ts = err.timestamp if err is not None else None
-        self._put(("error", flow.id, time.monotonic(), msg, ts, server.error, bool(server.peername), server.alpn == b"h2", client_reads, request))  # fmt: skip
+        self._put(facts.Error(flow.id, time.monotonic(), msg, ts, server.error, bool(server.peername), server.alpn == b"h2", client_reads, request))  # fmt: skip
         self._forget(state)
         _let_go(state, flow)
 
@@ -858,13 +569,13 @@ class TraceAddon:
             self._drain(state)  # the pieces before the fault go on record first
             if fault in ("stall-after-events", "truncate-after-events"):
                 state.injected = fault
-        self._put(("fault", flow.id, cid, time.monotonic(), seq, fault, spec, detail))
+        self._put(facts.Fault(flow.id, cid, time.monotonic(), seq, fault, spec, detail))
 
     def record_fault_plan(self, specs: list[str], change: Literal["replace", "clear"]) -> None:
         """The faults ``addons/faults.py`` applies from now on (``tracer_faults`` set, at
         the start or anew while mitmproxy runs), as a ``fault_plan`` record."""
         if self._on:
-            self._put(("fault_plan", time.monotonic(), list(specs), change))
+            self._put(facts.FaultPlan(time.monotonic(), list(specs), change))
 
 
 def _let_go(state: _Flow, flow: http.HTTPFlow) -> None:
@@ -893,74 +604,8 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) else None
 
 
-def _h2_of(client: connection.Client) -> tuple[Any, Any]:
-    """mitmproxy's HTTP layer for a client connection and the HTTP/2 connection it keeps
-    for it, found through mitmproxy's internals (its proxyserver's connection handler and
-    the layers under it, as ``_client_backlog``); (None, None) when they are not there."""
-    try:
-        proxyserver = ctx.master.addons.get("proxyserver")  # type: ignore[no-untyped-call]
-        layer = proxyserver.connections[client.id].layer
-        for _ in range(16):
-            if isinstance(layer, HttpLayer):
-                h2_conn = getattr(layer.connections.get(client), "h2_conn", None)
-                return (layer, h2_conn) if h2_conn is not None else (None, None)
-            layer = layer.layer if isinstance(layer, NextLayer) else layer.child_layer
-    except Exception:
-        pass
-    return None, None
-
-
-def _stream_id(http_layer: Any, flow: http.HTTPFlow) -> int | None:
-    """The client's HTTP/2 stream that carries ``flow``."""
-    try:
-        return next((sid for sid, s in http_layer.streams.items() if s.flow is flow), None)
-    except Exception:
-        return None
-
-
-def _held_now(state: _Flow) -> int | None:
-    """Bytes mitmproxy holds for the client on the flow's HTTP/2 stream, waiting for
-    flow-control window; None when its internals cannot be looked at."""
-    try:
-        return sum(len(item.data) for item in state.h2.stream_buffers.get(state.stream_id, ()))
-    except Exception:
-        return None
-
-
-def _reset_by_client(state: _Flow) -> bool:
-    try:
-        how = state.h2._stream_closed_by(state.stream_id)
-    except Exception:
-        return False
-    return how is not None and how.name == "RECV_RST_STREAM"
-
-
 def _options_error(message: str) -> Exception:
     return exceptions.OptionsError(message)  # type: ignore[no-untyped-call]
-
-
-def _client_backlog(client: connection.Client) -> tuple[bool, int | None]:
-    """Whether mitmproxy holds bytes for the client, and the kernel's unsent bytes.
-
-    Best effort through mitmproxy's internals (its proxyserver keeps the client's
-    asyncio writer); (False, None) when they are not there.
-    """
-    try:
-        proxyserver = ctx.master.addons.get("proxyserver")  # type: ignore[no-untyped-call]
-        handler = proxyserver.connections[client.id]
-        transport = handler.transports[client].writer.transport
-        buffered = int(transport.get_write_buffer_size())
-        sock = transport.get_extra_info("socket")
-    except Exception:
-        return False, None
-    unsent: int | None = None
-    if sock is not None:
-        try:
-            raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
-            unsent = int(struct.unpack("i", raw)[0])
-        except (OSError, ValueError, AttributeError):  # TIOCOUTQ: Linux only
-            unsent = None
-    return buffered > 0, unsent
 
 
 addons = [TraceAddon()]

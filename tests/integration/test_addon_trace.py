@@ -28,14 +28,13 @@ from tests.support.addon import (
     trace,
 )
 from tests.support.net import wait_until
-from tests.support.procs import ADDONS, REPO
+from tests.support.procs import REPO
 from tracer.capture.files import read_records
+from tracer.observe import flow_pipe
 
 with warnings.catch_warnings():  # mitmproxy.master imports ldap3, which warns on import
     warnings.simplefilter("ignore", DeprecationWarning)
     from mitmproxy.test import taddons
-
-ADDON = ADDONS / "trace.py"
 
 
 def _scripted(addon: Any) -> None:
@@ -121,7 +120,7 @@ def test_a_capture_process_that_falls_behind_costs_facts_not_traffic(
     """The pipe is never waited for: with the capture process stopped, the pieces still go
     on at once, the backlog stays under its bound, and what did not fit is counted in a
     ``capture_loss`` record once the process reads again."""
-    monkeypatch.setattr(trace, "MAX_BACKLOG", 256 << 10)
+    monkeypatch.setattr(flow_pipe, "MAX_BACKLOG", 256 << 10)
     event = BIG_EVENT
     with addon_ctx(tmp_path, tracer_sidecar=True) as (addon, path):
         process = addon.process
@@ -130,7 +129,7 @@ def test_a_capture_process_that_falls_behind_costs_facts_not_traffic(
         try:
             for _ in range(40):  # 2.6 MB: more than the pipe (at most 1 MiB) and the bound
                 assert stream(event) == event
-            assert process.lost_facts > 0 and len(process.backlog) <= trace.MAX_BACKLOG
+            assert process.lost_facts > 0 and len(process.backlog) <= flow_pipe.MAX_BACKLOG
         finally:
             os.kill(process.proc.pid, signal.SIGCONT)
         stream(SSE_CHUNKS[4])
@@ -212,17 +211,17 @@ def test_a_capture_process_that_dies_stops_tracing_not_traffic(
 
 
 PINNED_PARENT = """\
-import importlib.util, os, sys, time
+import os, sys, time
 os.sched_setaffinity(0, {{{core}}})
-spec = importlib.util.spec_from_file_location("addon", {addon!r})
-addon = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(addon)
+from tracer.observe.facts import Close
+from tracer.observe.flow_pipe import CaptureProcess
+from tracer.observe.flows import Settings
 header = dict(t=time.time(), m=time.monotonic(), tracer_version="0", kind="mitmproxy",
               listen="-", upstream=None, boot_id=None, options={{}})
-process = addon._CaptureProcess({path!r}, addon.Settings(), header)
+process = CaptureProcess({path!r}, Settings(), header)
 print(process.proc.pid, flush=True)
 sys.stdin.readline()
-process.close([("close", time.monotonic(), "test over")], wait=True)
+process.close([Close(time.monotonic(), "test over")], wait=True)
 """
 
 
@@ -242,7 +241,7 @@ def test_the_capture_process_keeps_off_the_cores_mitmproxy_is_pinned_to(tmp_path
         pytest.skip("one core: nowhere else to go")
     core = min(cores)
     capture = tmp_path / "pinned.jsonl"
-    script = PINNED_PARENT.format(core=core, addon=str(ADDON), path=str(capture))
+    script = PINNED_PARENT.format(core=core, path=str(capture))
     parent = subprocess.Popen(
         [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO
     )

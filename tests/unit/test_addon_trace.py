@@ -543,7 +543,7 @@ async def test_big_pieces_are_kept_for_a_round_of_the_loop_at_most(tmp_path: Pat
             assert len(state.pieces) == 1  # handed on in the loop's next round
             await anyio.lowlevel.checkpoint()
             assert not state.pieces
-            assert engine_flow.kept <= trace.MAX_KEPT_BYTES
+            assert engine_flow.kept_bytes <= trace.MAX_KEPT_BYTES
         stream(b"")
         addon.response(flow)
     bodies = records(path, "body")

@@ -1,49 +1,24 @@
-"""The capture process of the mitmproxy addon (``python -m tracer.observe.flow_process``): facts
-arrive in frames on stdin from mitmproxy's process, and a ``FlowObserver`` turns them into
-the capture, on a core mitmproxy is not pinned to."""
+"""The capture process of the mitmproxy addon (``python -m tracer.observe.flow_process``):
+facts arrive in frames on stdin from mitmproxy's process, and a ``FlowObserver`` turns
+them into the capture, on a core mitmproxy is not pinned to (``flow_pipe``: the pipe
+and its wire)."""
 
 from __future__ import annotations
 
 import logging
-import marshal
 import os
-import struct
 import sys
 import time
-from collections.abc import Iterator
 from itertools import chain
 from pathlib import Path
 from typing import IO, Any
 
 from ..capture.files import CaptureWriter
+from .facts import Close, Open
+from .flow_pipe import read_frames
 from .flows import FlowObserver, Settings
 
 log = logging.getLogger("tracer.observe.flows")
-
-
-# ---- the wire between mitmproxy's process and the capture process ----------------------
-
-_LENGTH = struct.Struct("<I")
-
-
-def frame(facts: list[tuple[Any, ...]]) -> bytes:
-    """One batch of facts as the capture process reads it."""
-    data = marshal.dumps(facts)
-    return _LENGTH.pack(len(data)) + data
-
-
-def read_frames(stream: IO[bytes]) -> Iterator[list[tuple[Any, ...]]]:
-    """The batches of facts on ``stream`` until it ends (a torn last frame is dropped)."""
-    while True:
-        head = stream.read(_LENGTH.size)
-        if len(head) < _LENGTH.size:
-            return
-        (size,) = _LENGTH.unpack(head)
-        data = stream.read(size)
-        if len(data) < size:
-            return
-        facts: list[tuple[Any, ...]] = marshal.loads(data)
-        yield facts
 
 
 def open_engine(path: str, settings: Settings, header: dict[str, Any]) -> FlowObserver:
@@ -56,13 +31,14 @@ def run_capture_process(stream: IO[bytes]) -> int:
     """The capture process: the first frame opens the capture, the facts that follow are
     applied; the stream's end without a ``close`` fact (mitmproxy killed) closes it."""
     frames = read_frames(stream)
-    first = next(frames, None)
-    if not first or first[0][0] != "open":
+    first = next(frames, None) or []
+    opening = first[0] if first else None
+    if not isinstance(opening, Open):
         log.error("tracer capture process: no capture to open")
         return 2
-    _, path, settings, header = first[0]
+    path = opening.path
     try:
-        engine = open_engine(path, Settings(**settings), header)
+        engine = open_engine(path, Settings(**opening.settings), opening.header)
     except OSError as exc:
         log.error("tracer capture process: cannot open %s: %s", path, exc.strerror or exc)
         return 1
@@ -72,7 +48,7 @@ def run_capture_process(stream: IO[bytes]) -> int:
             apply(fact)
         if engine.closed:
             return 0
-    engine.apply(("close", time.monotonic(), "mitmproxy went away"))
+    engine.apply(Close(time.monotonic(), "mitmproxy went away"))
     return 0
 
 

@@ -1,13 +1,19 @@
 """How the mitmproxy capture process reads a stream's SSE from mitmproxy's body pieces:
-``ContentShape`` (a shortcut past ``sse.classify`` for an engine's plain content chunks)
-and ``SseObserver`` (the splitter and the counts, per flow)."""
+``ContentShape`` (a shortcut past ``sse.classify`` for an engine's plain content chunks),
+``SseObserver`` (the splitter, per flow) and ``batch_sse`` (a batch's entries and counts,
+when it is written)."""
 
 from __future__ import annotations
 
+import logging
 import re
 from itertools import repeat
+from typing import Any
 
 from ..protocol.sse import SseEvent, SseSplitter, classify
+from .exchange import ResponseState, count_sse
+
+log = logging.getLogger("tracer.observe.flows")
 
 
 class ContentShape:
@@ -95,7 +101,7 @@ class SseObserver:
     While the splitter holds the beginning of an event (``held``), every piece must go to
     it. The pieces between the first and the last plain chunk of a batch are tested
     together (``ContentShape.all_fit``): an engine's specials (role, finish, usage,
-    ``[DONE]``) come first and last. ``tests/test_addon_trace.py`` checks ``batch``
+    ``[DONE]``) come first and last. ``tests/unit/test_addon_trace.py`` checks ``batch``
     against the splitter.
     """
 
@@ -140,3 +146,56 @@ class SseObserver:
         found = self.splitter.feed(piece)
         self.held = self.splitter.pending > 0
         return found
+
+
+def batch_sse(st: ResponseState[SseObserver], dts: list[float]) -> list[Any] | None:
+    """The ``sse`` entries of the batch of pieces ``st`` keeps (``dts``: their offsets
+    from the first), its events counted; None when it is not SSE."""
+    pieces, sse = st.kept, st.sse
+    if sse is None or not pieces:
+        return None
+    try:
+        specials = sse.batch(pieces)
+    except Exception:
+        specials = [(i, []) for i in range(len(pieces))]
+        log.exception("tracer: observing a response body failed")
+    times = st.times
+    events, plain = _entries(st, dts, st.sizes, specials, times)
+    st.events += len(times) - len(specials)
+    if plain >= 0 and (st.first_token_m is None or times[plain] < st.first_token_m):
+        st.first_token_m = times[plain]
+    return events or None
+
+
+def _entries(
+    st: ResponseState[SseObserver],
+    dts: list[float],
+    sizes: list[int],
+    specials: list[tuple[int, list[SseEvent]]],
+    times: list[float],
+) -> tuple[list[Any], int]:
+    """The batch's ``sse`` entries, and the index of its first plain content chunk.
+
+    Pieces between the specials are plain content chunks, one ``content`` event
+    each: they are zipped in runs (C speed); only the specials are looked at.
+    """
+    if not specials:
+        return list(zip(dts, sizes, repeat("content"))), 0
+    events: list[Any] = []
+    plain = -1
+    start = 0
+    for i, found in specials:
+        if i > start:
+            events += zip(dts[start:i], sizes[start:i], repeat("content"))
+            if plain < 0:
+                plain = start
+        dt = dts[i]
+        for sse in found:
+            events.append([dt, *sse.as_record()])
+            count_sse(st, sse, times[i])
+        start = i + 1
+    if start < len(dts):
+        events += zip(dts[start:], sizes[start:], repeat("content"))
+        if plain < 0:
+            plain = start
+    return events, plain

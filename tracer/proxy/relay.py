@@ -60,6 +60,7 @@ from ..faults.plan import (
     Fault,
     FaultPlan,
 )
+from ..observe.exchange import tick_interval
 from ..observe.wire import Bodies
 from .connection import Connection, InjectingConnection, _unsent_bytes
 from .fault_connection import FaultConnection, InjectingFaultConnection
@@ -456,7 +457,7 @@ class Tap:
         )
 
     async def _ticker(self) -> None:
-        interval = max(0.05, min(0.25, self.config.stall_after / 4))
+        interval = tick_interval(self.config.stall_after)
         stall_after = self.config.stall_after
         idle_timeout = self.config.idle_timeout
         # event-loop lag: how late each tick wakes (a subtraction and a compare a tick)
