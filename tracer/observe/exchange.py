@@ -54,7 +54,7 @@ def tick_interval(stall_after: float) -> float:
 
 
 class ResponseState[S]:
-    """A request in flight and its response, whatever tap follows it: ``wire._Request``
+    """A request in flight and its response, whatever tap follows it: ``wire_requests.WireRequest``
     and ``flow_conn.Flow`` extend it (``S``: how each splits SSE). The batch of body reads not yet written is ``times``, ``sizes``, ``chunks`` (per
     read), ``sse_entries`` (as the record has them) and ``kept`` (the bytes, when
     kept: ``None`` otherwise)."""

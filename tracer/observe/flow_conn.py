@@ -35,7 +35,7 @@ class Stream:
 
 
 class Flow(ResponseState[SseObserver]):
-    """Mutable per-request state while it is in flight (``wire._Request``'s counterpart)."""
+    """Mutable per-request state while it is in flight (``wire_requests.WireRequest``'s counterpart)."""
 
     __slots__ = (
         "active_m",

@@ -19,6 +19,12 @@ cheap ``h11.Connection`` per message:
   on a paced stream), so from the end of the head to the end of the body
   ``framing.BodyDecoder`` finds the body's bytes and end (as strict as h11 about chunk
   framing) at a few microseconds per read; bytes after the end start the next response.
+* a plain head that arrives whole in one read (most heads) skips h11: h11 costs about
+  45 µs a head, most of a small request's observation. ``protocol.head.quick_request``
+  and ``quick_response`` take only heads h11 takes, and give what h11 gives for them
+  (``tests/unit/test_quick_heads.py``); anything else (a head cut across reads, bare
+  LFs, odd framing headers, 1xx, protocol switches) is h11's, whose verdict and words
+  an anomaly records. The client's side is ``wire_requests.RequestReader``.
 
 Rules:
 
@@ -46,6 +52,7 @@ Rules:
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from typing import Any
 
 import h11
@@ -53,55 +60,41 @@ import h11
 from .. import events as ev
 from ..capture.bodies import BodyBudget, RequestBody
 from ..protocol.framing import BodyDecoder, FramingError, body_framing
+from ..protocol.head import quick_response
 from ..protocol.sse import SseEvent, SseSplitter
-from ..redact import redact_headers, redact_target, scrub_text
+from ..redact import redact_headers, scrub_text
 from .exchange import (
     MAX_BODY_KEEP,
     Bodies,
     Close,
     Emit,
-    ExchangeTracker,
-    ResponseState,
-    request_head_facts,
     response_head_facts,
 )
+from .wire_requests import (
+    MAX_HEADER_LINES,
+    MAX_HELD_BYTES,
+    Head,
+    RequestReader,
+    WireRequest,
+    head_size,
+    lower_items,
+    not_http,
+    raw_items,
+)
 
-__all__ = ["Bodies", "ConnectionObserver", "Emit", "not_http"]
+__all__ = [
+    "MAX_HEADER_LINES",
+    "MAX_HELD_BYTES",
+    "Bodies",
+    "ConnectionObserver",
+    "Emit",
+    "not_http",
+]
 
 MAX_HEADER_BYTES = 64 * 1024
-MAX_HEADER_LINES = 1024  # a head with more lines is not parsed (observation cost bounded)
-MAX_HELD_BYTES = 1024 * 1024  # client bytes held while a protocol switch is undecided
 
 
-def not_http(data: bytes) -> str | None:
-    """What a client's bytes are when they are not HTTP/1.x but something known: a TLS
-    handshake (an ``https://`` URL to a plain port: a record of type 22, version 3.x; its
-    first byte alone already is no HTTP) or the HTTP/2 preface."""
-    if data and b"\x16\x03".startswith(data[:2]):
-        return "TLS handshake"
-    if data.startswith(b"PRI * HTTP/2.0"):
-        return "HTTP/2 preface"
-    return None
-
-
-class _Request(ResponseState[SseSplitter]):
-    """Mutable per-request state while it is in flight."""
-
-    __slots__ = ("body", "may_switch", "method", "mirror")
-
-    def __init__(
-        self, head_m: float, method: str, json_body: bool, body: RequestBody, *, keep: bool
-    ) -> None:
-        super().__init__(head_m, json_body)
-        self.method = method
-        self.mirror: list[tuple[bytes, bytes]] = [(b"host", b"t")]  # for the head parser
-        self.may_switch = False  # Upgrade or CONNECT: a tunnel may follow the response
-        self.body = body
-        if keep:  # --bodies all: the response's bytes go into its body records
-            self.kept = []
-
-
-class ConnectionObserver(ExchangeTracker[_Request]):
+class ConnectionObserver(RequestReader):
     """Watches one downstream connection (and its pinned upstream one): h11 and the body
     decoder read the bytes, the ``ExchangeTracker`` it extends keeps the exchanges."""
 
@@ -132,6 +125,7 @@ class ConnectionObserver(ExchangeTracker[_Request]):
         self._max_body_keep = max_body_keep
         self._max_header = max_header_bytes
         self._req: h11.Connection | None = None  # parses the current request
+        self._req_body: BodyDecoder | None = None  # ... or its body, when its head was plain
         self._req_base = 0  # client bytes before the current request parser's first byte
         self._held: bytes | None = None  # client bytes behind an undecided protocol switch
         self._head_lines = 0  # lines of the request head being read (-1: it was parsed)
@@ -145,7 +139,7 @@ class ConnectionObserver(ExchangeTracker[_Request]):
         self._up_offset = 0  # upstream bytes consumed by parsing (for anomaly offsets)
         self.blind = False
         self.tunnel = False
-        self._receiving: _Request | None = None  # request whose body is arriving
+        self._receiving: WireRequest | None = None  # request whose body is arriving
         self.client_bytes = 0
         self.upstream_bytes = 0
         self.client_closed_m: float | None = None
@@ -214,6 +208,10 @@ class ConnectionObserver(ExchangeTracker[_Request]):
         if self.client_closed_m is None:
             self.client_closed_m = m
             self.client_close = "reset" if reset else "fin"
+        if self._req_body is not None and not (self.blind or self.tunnel):
+            self._req_body = None  # a request body cut by the client's end
+            if self._receiving is not None and not self._receiving.request_done:
+                self._end_request(self._receiving, m, complete=False)
         if not (self.blind or self.tunnel) and self._req is not None:
             try:
                 self._req.receive_data(b"")
@@ -261,139 +259,15 @@ class ConnectionObserver(ExchangeTracker[_Request]):
         req = self.pending[0] if self.pending else None
         if req is None:
             body = RequestBody(self._max_body_keep)
-            req = self.begin(_Request(m, "", False, body, keep=False))
+            req = self.begin(WireRequest(m, "", False, body, keep=False))
         self.tracer_answer(req, m, status, reason, detail or reason)
         self.blind = True
-
-    # ---- requests ---------------------------------------------------------------------
-
-    def _feed_requests(self, data: bytes, m: float) -> None:
-        """Parse client bytes: each request on a fresh parser, the rest goes to the next.
-
-        A head is parsed whole by h11, each header checked: a head of more than
-        ``MAX_HEADER_LINES`` lines is not parsed at all (a header flood would hold the
-        loop for every other connection): the connection goes on unobserved, with an
-        anomaly. Its lines are counted as they arrive, a C-level count per read."""
-        try:
-            while data:
-                if self._req is None:
-                    self._req = h11.Connection(
-                        h11.SERVER, max_incomplete_event_size=self._max_header
-                    )
-                    self._head_lines, self._head_tail = 0, b""
-                    self.head_started_m = m
-                if self._head_lines >= 0:  # the head's lines only, not the body's after it
-                    self._count_head_lines(data)
-                    if self._head_lines > MAX_HEADER_LINES:
-                        raise h11.RemoteProtocolError(
-                            f"a request head of over {MAX_HEADER_LINES} lines: not parsed"
-                        )
-                self._req.receive_data(data)
-                data = self._pump_request(m)
-        except h11.ProtocolError as exc:
-            if self.pending and self._receiving is None:
-                # Bad bytes behind requests still being answered: let their responses be
-                # seen first; the anomaly is recorded when the last of them ends.
-                self._deferred = (exc, m, self._client_offset())
-            else:
-                unparsed = self._req.trailing_data[0] if self._req is not None else data
-                what = not_http(unparsed)
-                if what is not None:  # h11's words say less: "illegal request line"
-                    exc = h11.RemoteProtocolError(f"{what} on a plain HTTP/1.1 listener ({exc})")
-                self._go_blind("client", exc, m)
-
-    def _count_head_lines(self, data: bytes) -> None:
-        """Add the newlines of ``data`` that come before the head's end (CRLFCRLF, which
-        may span the previous read), without copying ``data``."""
-        tail = self._head_tail
-        end = data.find(b"\r\n\r\n")
-        if tail and (tail + data[:3]).find(b"\r\n\r\n") >= 0:
-            end = 0  # the head ended across the two reads: none of these lines are its
-        self._head_lines += data.count(b"\n", 0, len(data) if end < 0 else end + 1)
-        self._head_tail = (tail + data)[-3:] if len(data) < 3 else data[-3:]
-
-    def _pump_request(self, m: float) -> bytes:
-        """Events of the current request; returns the bytes after its end (if it ended)."""
-        parser = self._req
-        assert parser is not None
-        while True:
-            event = parser.next_event()
-            if event is h11.NEED_DATA or event is h11.PAUSED:
-                return b""
-            if isinstance(event, h11.Request):
-                self._on_request(event, m)
-            elif isinstance(event, h11.Data):
-                self._on_request_body(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                req = self._receiving
-                if req is not None:
-                    self._end_request(req, m, complete=True)
-                rest = parser.trailing_data[0]
-                self._req_base = self.client_bytes - len(rest)
-                self._req = None
-                if req is not None and req.may_switch and not req.ended:
-                    self._held = rest  # parsed once the response says whether it switched
-                    return b""
-                return rest
-            else:  # ConnectionClosed
-                return b""
-
-    def _release_held(self, m: float) -> None:
-        """The response did not switch protocols: parse what the client sent meanwhile."""
-        held, self._held = self._held, None
-        if held:
-            self._feed_requests(held, m)
-
-    def _on_request(self, event: h11.Request, m: float) -> None:
-        self._head_lines = -1  # the head is parsed: its body's newlines are not counted
-        self.head_started_m = None
-        size = len(event.method) + len(event.target) + 14  # "M T HTTP/1.1\r\n" + "\r\n"
-        size += sum(len(name) + len(value) + 4 for name, value in event.headers.raw_items())
-        if size > self._max_header:
-            raise h11.RemoteProtocolError(
-                f"request head of {size} bytes is over max_header_bytes ({self._max_header})"
-            )
-        facts = request_head_facts(event.headers)
-        method = event.method.decode("latin-1")
-        keep = facts.json_body or self.bodies != "none"  # for the record, or for its fields
-        body = RequestBody(self._max_body_keep, keep=keep, budget=self._budget)
-        req = _Request(m, method, facts.json_body, body, keep=self.keep_data)
-        req.mirror += facts.hop  # so that the head parser accepts a 101 to an Upgrade
-        req.may_switch = method == "CONNECT" or any(n == b"upgrade" for n, _ in facts.hop)
-        self._receiving = req
-        self.request_head(
-            req,
-            method=method,
-            target=redact_target(event.target.decode("latin-1")),
-            version=event.http_version.decode("latin-1"),
-            headers=redact_headers(event.headers.raw_items()),
-            facts=facts,
-        )
-        if self.upstream_closed_m is not None:  # nothing can answer it any more
-            gone = m - self.upstream_closed_m  # how long the client could have known
-            self.end_response(
-                req,
-                m,
-                "truncated",
-                close=self.upstream_close,
-                detail=f"upstream already closed {gone:.6f} s before",
-            )
-
-    def _on_request_body(self, data: bytes) -> None:
-        req = self._receiving
-        if req is None:
-            return
-        req.body.add(data)
-
-    def _end_request(self, req: _Request, m: float, *, complete: bool) -> None:
-        self._receiving = None
-        self.request_end(req, m, req.body, complete=complete)
 
     # ---- responses --------------------------------------------------------------------
 
     def _pump_responses(self, data: bytes, m: float) -> None:
         """Heads through h11, bodies through the decoder, body bytes batched per read."""
-        body_req: _Request | None = None
+        body_req: WireRequest | None = None
         size = chunks = 0
         sse_events: list[SseEvent] | None = None
         raw: list[bytes] | None = [] if self.keep_data else None
@@ -448,6 +322,12 @@ class ConnectionObserver(ExchangeTracker[_Request]):
         """Feed the head parser; returns the bytes after a complete head (the body's)."""
         req = self.pending[0]
         head = self._head
+        if head is None and not req.may_switch and req.method != "CONNECT":
+            quick = quick_response(data, self._max_header)  # (as _quick_request)
+            if quick is not None and head_size(17 + len(quick.reason), quick) <= self._max_header:
+                self._up_offset += quick.end
+                self._on_response(quick.status, quick.reason, quick.version, quick, req, m)
+                return self._body_starts(req, quick.status, quick.lower, data[quick.end :], m)
         if head is None:
             head = self._head = h11.Connection(
                 h11.CLIENT, max_incomplete_event_size=self._max_header
@@ -469,17 +349,29 @@ class ConnectionObserver(ExchangeTracker[_Request]):
                 rest = head.trailing_data[0]
                 self._up_offset += len(data) - len(rest)
                 self._head = None
-                self._on_response(event, req, m)
+                status, version = event.status_code, event.http_version
+                self._on_response(status, event.reason, version, event.headers, req, m)
                 if self.tunnel:
                     return b""
-                framing, length = body_framing(req.method, event.status_code, event.headers)
-                self._body = BodyDecoder(framing, length)
-                if self._body.done:
-                    self._body_ended(req, m)
-                return rest
+                return self._body_starts(req, status, event.headers, rest, m)
             return b""  # ConnectionClosed: nothing more to parse
 
-    def _body_ended(self, req: _Request, m: float) -> None:
+    def _body_starts(
+        self,
+        req: WireRequest,
+        status: int,
+        headers: Iterable[tuple[bytes, bytes]],
+        rest: bytes,
+        m: float,
+    ) -> bytes:
+        """After a final response head: its body's framing; returns the bytes after it."""
+        framing, length = body_framing(req.method, status, headers)
+        self._body = BodyDecoder(framing, length)
+        if self._body.done:
+            self._body_ended(req, m)
+        return rest
+
+    def _body_ended(self, req: WireRequest, m: float) -> None:
         self._body = None
         self.body_done(req, m)
         self.end_response(req, m, "complete")
@@ -493,44 +385,53 @@ class ConnectionObserver(ExchangeTracker[_Request]):
         elif self._head is not None and self._head.trailing_data[0]:
             raise FramingError("peer closed inside a response head")
 
-    def _on_informational(self, event: h11.InformationalResponse, req: _Request, m: float) -> None:
+    def _on_informational(
+        self, event: h11.InformationalResponse, req: WireRequest, m: float
+    ) -> None:
         self.record(ev.Informational, m, seq=req.seq, status=event.status_code)
         if event.status_code == 101:
             self.tunnel = True
             req.status, req.resp_head_m = 101, m
             self.end_response(req, m, "complete", detail="switched protocols")
 
-    def _on_response(self, event: h11.Response, req: _Request, m: float) -> None:
-        size = len(event.reason) + 15 + 2  # "HTTP/1.1 200 reason\r\n" + "\r\n"
-        size += sum(len(name) + len(value) + 4 for name, value in event.headers.raw_items())
+    def _on_response(
+        self,
+        status: int,
+        reason: bytes,
+        version: bytes,
+        headers: Head,
+        req: WireRequest,
+        m: float,
+    ) -> None:
+        size = head_size(len(reason) + 17, headers)  # "HTTP/1.1 200 reason\r\n" + "\r\n"
         if size > self._max_header:
             raise h11.RemoteProtocolError(
                 f"response head of {size} bytes is over max_header_bytes ({self._max_header})"
             )
         content_length, chunked, sse, keep_alive = response_head_facts(
-            event.headers, keep_alive=event.http_version == b"1.1"
+            lower_items(headers), keep_alive=version == b"1.1"
         )
         if sse:
             req.sse = SseSplitter()
         self.response_head(
             req,
             m,
-            status=event.status_code,
-            reason=event.reason.decode("latin-1"),
-            version=event.http_version.decode("latin-1"),
-            headers=redact_headers(event.headers.raw_items()),
+            status=status,
+            reason=reason.decode("latin-1"),
+            version=version.decode("latin-1"),
+            headers=redact_headers(raw_items(headers)),
             sse=sse,
             content_length=content_length,
             chunked=chunked,
             keep_alive=keep_alive,
         )
-        if req.method == "CONNECT" and 200 <= event.status_code < 300:
+        if req.method == "CONNECT" and 200 <= status < 300:
             self.tunnel = True
             self.end_response(req, m, "complete", detail="tunnel")
         elif self._held is not None and req.may_switch:
             self._release_held(m)
 
-    def ended(self, st: _Request, m: float, *, oldest: bool) -> None:
+    def ended(self, st: WireRequest, m: float, *, oldest: bool) -> None:
         if oldest:
             self._head = self._body = None  # whatever was parsing its response is done
         if self._deferred is not None and not self.pending:
@@ -558,10 +459,6 @@ class ConnectionObserver(ExchangeTracker[_Request]):
             termination = "unparsed"
         for req in list(self.pending):
             self.end_response(req, m, termination, close=close, detail=detail)
-
-    def _client_offset(self) -> int:
-        unparsed = len(self._req.trailing_data[0]) if self._req is not None else 0
-        return max(self._req_base, self.client_bytes - unparsed)
 
     def _go_blind(
         self, direction: ev.Direction, exc: Exception, m: float, offset: int | None = None
