@@ -5,6 +5,7 @@ Every proxy is pinned to core 1 (``taskset -c 1``) and forwards to the bench ups
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -103,7 +104,9 @@ def _nginx() -> str | None:
     return None
 
 
-def start(name: str, upstream_port: int, out: Path, repo: Path) -> Target:
+def start(
+    name: str, upstream_port: int, out: Path, repo: Path, *, tracer_path: Path | None = None
+) -> Target:
     """Start one target listening on a free port; raises RuntimeError if it does not come up."""
     if name == "direct":
         return Target(name, upstream_port)
@@ -111,8 +114,10 @@ def start(name: str, upstream_port: int, out: Path, repo: Path) -> Target:
     venv_bin = Path(sys.executable).parent
     upstream = f"http://127.0.0.1:{upstream_port}"
     if name == "tracer":
+        # the tap of another checkout (``--tracer-path``): its package first on the path
+        exe = [sys.executable, "-m", "tracer"] if tracer_path else [str(venv_bin / "tracer")]
         argv = [
-            str(venv_bin / "tracer"),
+            *exe,
             "proxy",
             "--listen",
             f"127.0.0.1:{port}",
@@ -122,7 +127,9 @@ def start(name: str, upstream_port: int, out: Path, repo: Path) -> Target:
             str(out / "tap.jsonl"),
         ]
         (out / "tap.jsonl").unlink(missing_ok=True)
-        proc = spawn("tracer", argv, core=PROXY_CORE, log_dir=out, cwd=repo)
+        env = {**os.environ, "PYTHONPATH": str(tracer_path)} if tracer_path else None
+        cwd = tracer_path or repo  # (python -m puts the working directory first on the path)
+        proc = spawn("tracer", argv, core=PROXY_CORE, log_dir=out, cwd=cwd, env=env)
     elif name == "mitmdump":
         script = out / "mitm_stream.py"
         script.write_text(MITM_SCRIPT)

@@ -73,6 +73,7 @@ class Config:
     out: Path
     profile: bool = False
     idle_conns: int = IDLE_CONNS
+    tracer_path: Path | None = None  # --tracer-path: the tap from another checkout
 
 
 def _parse_args(argv: list[str] | None) -> Config:
@@ -104,7 +105,17 @@ def _parse_args(argv: list[str] | None) -> Config:
         action="store_true",
         help="sample the tracer with py-spy during its first-round runs (bench-out/profile-*.txt)",
     )
+    p.add_argument(
+        "--tracer-path",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run the tracer tap from this checkout (e.g. a `git worktree` of an older "
+        "commit), to measure before and after on one machine; default: this one",
+    )
     a = p.parse_args(argv)
+    if a.tracer_path is not None and not (a.tracer_path / "tracer" / "__main__.py").exists():
+        p.error(f"--tracer-path {a.tracer_path}: no tracer package there")
     targets = [t.strip() for t in a.only.split(",") if t.strip()]
     bad = [t for t in targets if t not in peers.TARGETS]
     if bad or not targets:
@@ -125,7 +136,16 @@ def _parse_args(argv: list[str] | None) -> Config:
     warmup = a.warmup if a.warmup is not None else (0.25 if a.quick else 0.5)
     if not 1 <= rounds <= 10 or not 0.1 <= duration <= 30 or not 0 <= warmup <= 10:
         p.error("rounds must be 1..10, duration 0.1..30 s, warmup 0..10 s")
-    return Config(rounds, warmup, duration, targets, scenarios, Path(a.out), a.profile)
+    return Config(
+        rounds,
+        warmup,
+        duration,
+        targets,
+        scenarios,
+        Path(a.out).resolve(),
+        a.profile,
+        tracer_path=a.tracer_path,
+    )
 
 
 def _children_cpu() -> float:
@@ -360,7 +380,7 @@ async def _run(cfg: Config, procs: list[Proc], started: list[peers.Target]) -> d
             _say(f"skipping {name}: {why}")
             continue
         try:
-            t = peers.start(name, upstream_port, out, REPO)
+            t = peers.start(name, upstream_port, out, REPO, tracer_path=cfg.tracer_path)
         except RuntimeError as exc:
             skipped[name] = str(exc)
             _say(f"skipping {name}: {exc}")
