@@ -72,7 +72,9 @@ async def test_bench_matches_the_engines_decode_rate(tmp_path: Path) -> None:
             assert step * 0.95 <= engine_step <= step * 2, engine_step
             tpot = r["tpot_ms"]["mean"] / 1000
             assert tpot == pytest.approx(engine_step, rel=0.03), (tpot, engine_step)
-            assert r["itl_ms"]["mean"] / 1000 == pytest.approx(engine_step, rel=0.02)
+            # 4 %: a loaded machine's delivery jitter (2.1 % seen with a busy core) passes,
+            # a count off by one interval (20 tokens, 19 gaps: 5 %) does not
+            assert r["itl_ms"]["mean"] / 1000 == pytest.approx(engine_step, rel=0.04)
             # the batch model's rate is a ceiling: staggered arrivals (each one a prefill
             # that pauses decode) cost a few percent
             rate = c * 20 / 19 / engine_step
