@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import resource
 import time
-from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -64,6 +64,8 @@ from ..observe.exchange import tick_interval
 from ..observe.wire import Bodies
 from .connection import Connection, InjectingConnection, _unsent_bytes
 from .fault_connection import FaultConnection, InjectingFaultConnection
+from .stats import TapStats as TapStats
+from .stats import count_event
 
 log = structlog.get_logger("tracer.proxy.relay")
 
@@ -125,23 +127,6 @@ class TapConfig:
         return f"http://{self.upstream_host}:{self.upstream_port}"
 
 
-@dataclass
-class TapStats:
-    connections_total: int = 0
-    connections_open: int = 0
-    connections_refused: int = 0  # over --max-connections: answered 503 by the tap
-    header_timeouts: int = 0  # connections closed: their request head took too long
-    requests_total: int = 0
-    upstream_connect_failures: int = 0
-    anomalies: int = 0
-    bytes_from_client: int = 0
-    bytes_from_upstream: int = 0
-    terminations: Counter[str] = field(default_factory=Counter)
-    stalls: Counter[str] = field(default_factory=Counter)
-    stalls_active: int = 0
-    faults: Counter[str] = field(default_factory=Counter)
-
-
 class Tap:
     """One named observation point: listener, relays, observers, capture, stats."""
 
@@ -165,7 +150,7 @@ class Tap:
         self.bus = EventBus()
         if capture is not None:
             self.bus.add("capture", capture.write)
-        self.bus.add("counters", self._count)
+        self.bus.add("counters", functools.partial(count_event, self.stats))
         for i, sink in enumerate(sinks or []):
             self.bus.add(f"sink-{i}", sink)
         self.live: dict[int, Connection] = {}
@@ -219,73 +204,6 @@ class Tap:
                     fn(data, now)
                 except Exception:
                     log.exception("observer failed; forwarding unchanged", conn=conn)
-
-    def _count(self, event: ev.Event) -> None:
-        """The counters of /metrics and /status, and a log line for what deserves one."""
-        if type(event) is ev.BodyData:  # the hot path: nothing to count or log
-            return
-        stats = self.stats
-        match event:
-            case ev.RequestHead():
-                stats.requests_total += 1
-            case ev.ResponseEnd(termination=term):
-                stats.terminations[term] += 1
-                if term != "complete":
-                    log.warning(
-                        "response ended " + term,
-                        conn=event.conn,
-                        seq=event.seq,
-                        status=event.status,
-                        bytes=event.body_bytes,
-                        close=event.close,
-                        mid_event=event.mid_event,
-                        detail=event.detail,
-                    )
-                elif event.events and not event.done:
-                    log.info("stream complete without [DONE]", conn=event.conn, seq=event.seq)
-            case ev.Stall(phase="start", direction=direction):
-                stats.stalls[direction] += 1
-                stats.stalls_active += 1
-                log.warning(
-                    "stall started",
-                    conn=event.conn,
-                    seq=event.seq,
-                    direction=direction,
-                    silent_for=event.silent_for,
-                    unsent_bytes=event.unsent_bytes,
-                )
-            case ev.Stall(phase="end"):
-                stats.stalls_active -= 1
-                log.info(
-                    "stall ended",
-                    conn=event.conn,
-                    seq=event.seq,
-                    direction=event.direction,
-                    lasted=event.silent_for,
-                )
-            case ev.Anomaly():
-                stats.anomalies += 1
-                log.warning(
-                    "protocol anomaly; forwarding unchanged",
-                    conn=event.conn,
-                    direction=event.direction,
-                    error=event.error,
-                    offset=event.offset,
-                )
-            case ev.FaultInjected():
-                stats.faults[event.fault] += 1
-                log.warning(
-                    "fault injected",
-                    conn=event.conn,
-                    seq=event.seq,
-                    fault=event.spec,
-                    detail=event.detail,
-                )
-            case ev.UpstreamConnect(phase="failed"):
-                stats.upstream_connect_failures += 1
-                log.warning("upstream connect failed", conn=event.conn, error=event.error)
-            case _:
-                pass
 
     def change_faults(
         self, faults: Sequence[Fault], change: Literal["replace", "add", "clear"]
