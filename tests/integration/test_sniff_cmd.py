@@ -22,7 +22,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from tests.support.analyze import analyze_async
 from tests.support.engine import chat_request, engine_running
 from tests.support.net import recv_until, wait_until
-from tests.support.procs import count_records
+from tests.support.procs import count_records, drain_lines
 from tracer.capture.files import read_records
 
 pytestmark = pytest.mark.anyio
@@ -56,15 +56,7 @@ async def sniffing(*args: str) -> AsyncIterator[tuple[Process, list[str]]]:
             while not any(line.startswith("tracer sniff: capturing on") for line in lines):
                 lines.append((await reader.receive_until(b"\n", 65536)).decode())
         async with anyio.create_task_group() as tg:
-
-            async def drain() -> None:
-                try:
-                    while True:
-                        lines.append((await reader.receive_until(b"\n", 1 << 20)).decode())
-                except (anyio.EndOfStream, anyio.IncompleteRead, anyio.ClosedResourceError):
-                    return
-
-            tg.start_soon(drain)
+            tg.start_soon(drain_lines, reader, lines)
             yield process, lines
             with anyio.fail_after(10):
                 await process.wait()

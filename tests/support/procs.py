@@ -36,6 +36,15 @@ def load_addon(name: str) -> ModuleType:
     return module
 
 
+async def drain_lines(reader: BufferedByteReceiveStream, lines: list[str]) -> None:
+    """Read a process's output into ``lines`` until it ends (so its pipe never fills)."""
+    try:
+        while True:
+            lines.append((await reader.receive_until(b"\n", 1 << 20)).decode())
+    except (anyio.EndOfStream, anyio.IncompleteRead, anyio.ClosedResourceError):
+        return
+
+
 def count_records(path: Path, kind: str) -> int:
     """Records of one type in a capture being written (0 while it cannot be read yet)."""
     try:
@@ -100,15 +109,7 @@ async def tracer_proxy(*args: str) -> AsyncIterator[Proc]:
         assert found is not None, lines
         proc = Proc(process=process, port=int(found.group(1)), lines=lines, admin_port=admin_port)
         async with anyio.create_task_group() as tg:
-
-            async def drain() -> None:
-                try:
-                    while True:
-                        lines.append((await reader.receive_until(b"\n", 1 << 20)).decode())
-                except (anyio.EndOfStream, anyio.IncompleteRead, anyio.ClosedResourceError):
-                    return
-
-            tg.start_soon(drain)
+            tg.start_soon(drain_lines, reader, lines)
             yield proc
             if process.returncode is None:
                 process.send_signal(signal.SIGTERM)
