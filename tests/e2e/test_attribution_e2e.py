@@ -144,7 +144,9 @@ async def test_client_not_reading_and_abort_are_the_client(tmp_path: Path) -> No
     import socket
 
     capture = tmp_path / "cap.jsonl"
-    async with engine_running(ttft=0.0, itl=0.001) as sim:
+    # the engine writes fast (0.2 ms a token), so that the kernel's buffers towards the
+    # client that does not read fill within seconds even on a loaded machine
+    async with engine_running(ttft=0.0, itl=0.0002) as sim:
         async with tracer_proxy(
             "proxy",
             "--listen",
@@ -156,22 +158,21 @@ async def test_client_not_reading_and_abort_are_the_client(tmp_path: Path) -> No
             "--stall-after",
             "0.3",
         ) as proc:
-            payload = json.dumps({**BODY, "max_tokens": 20000}).encode()
+            payload = json.dumps({**BODY, "max_tokens": 100000}).encode()
             request = (
                 b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
                 b"\r\ncontent-length: %d\r\n\r\n%s" % (len(payload), payload)
             )
             # a client that stops reading: a tiny receive buffer, never read
-            slow = socket.socket()
-            slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            slow.connect(("127.0.0.1", proc.port))
-            slow.sendall(request)
+            with socket.socket() as slow:
+                slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                slow.connect(("127.0.0.1", proc.port))
+                slow.sendall(request)
 
-            def stalled() -> bool:
-                return capture.exists() and b"client_not_reading" in capture.read_bytes()
+                def stalled() -> bool:
+                    return capture.exists() and b"client_not_reading" in capture.read_bytes()
 
-            await wait_until(stalled, timeout=15)
-            slow.close()
+                await wait_until(stalled, timeout=30)
             # a client that reads a little, then hangs up
             async with await anyio.connect_tcp("127.0.0.1", proc.port) as s:
                 await s.send(request.replace(b"20000", b"400  "))
