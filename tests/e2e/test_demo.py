@@ -43,14 +43,16 @@ def test_the_incident_demo(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(DEMO_TIMEOUT + 10)
-def test_a_healthy_scenario_stays_clean_and_a_client_fault_is_the_client(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("scenario", "party", "kind"),
+    [("client-not-reading", "client", "client_not_reading"), ("healthy", "none", "healthy")],
+)
+def test_a_healthy_scenario_stays_clean_and_a_client_fault_is_the_client(
+    tmp_path: Path, scenario: str, party: str, kind: str
+) -> None:
     out = tmp_path / "out"
-    done = tracer_demo(out, "--scenario", "client-not-reading")
+    done = tracer_demo(out, "--scenario", scenario)
     assert done.returncode == 0, done.stdout + done.stderr
-    verdict = json.loads((out / "client-not-reading" / "incident.json").read_text())["verdict"]
-    assert (verdict["party"], verdict["kind"]) == ("client", "client_not_reading")
-    assert (out / "client-not-reading" / "tap.jsonl").exists()
-    done = tracer_demo(out, "--scenario", "healthy")
-    assert done.returncode == 0, done.stdout + done.stderr
-    verdict = json.loads((out / "healthy" / "incident.json").read_text())["verdict"]
-    assert (verdict["party"], verdict["kind"]) == ("none", "healthy")
+    verdict = json.loads((out / scenario / "incident.json").read_text())["verdict"]
+    assert (verdict["party"], verdict["kind"]) == (party, kind)
+    assert (out / scenario / "tap.jsonl").exists()
