@@ -88,7 +88,9 @@ async def tracer_proxy(*args: str) -> AsyncIterator[Proc]:
     lines: list[str] = []
     admin_port: int | None = None
     try:
-        with anyio.fail_after(15):
+        # (a tap starting on a loaded machine: imports, its capture, the upstream's
+        # fingerprint through whatever hop is there; 15 s was once not enough)
+        with anyio.fail_after(40):
             while True:
                 line = (await reader.receive_until(b"\n", 65536)).decode()
                 lines.append(line)
