@@ -324,9 +324,10 @@ class ConnectionObserver(RequestReader):
         head = self._head
         if head is None and not req.may_switch and req.method != "CONNECT":
             quick = quick_response(data, self._max_header)  # (as _quick_request)
-            if quick is not None and head_size(17 + len(quick.reason), quick) <= self._max_header:
+            size = 0 if quick is None else head_size(len(quick.reason) + 17, quick)
+            if quick is not None and size <= self._max_header:
                 self._up_offset += quick.end
-                self._on_response(quick.status, quick.reason, quick.version, quick, req, m)
+                self._on_response(quick.status, quick.reason, quick.version, quick, size, req, m)
                 return self._body_starts(req, quick.status, quick.lower, data[quick.end :], m)
         if head is None:
             head = self._head = h11.Connection(
@@ -349,11 +350,12 @@ class ConnectionObserver(RequestReader):
                 rest = head.trailing_data[0]
                 self._up_offset += len(data) - len(rest)
                 self._head = None
-                status, version = event.status_code, event.http_version
-                self._on_response(status, event.reason, version, event.headers, req, m)
+                status, reason, headers = event.status_code, event.reason, event.headers
+                size = head_size(len(reason) + 17, headers)  # "HTTP/1.1 200 reason\r\n\r\n"
+                self._on_response(status, reason, event.http_version, headers, size, req, m)
                 if self.tunnel:
                     return b""
-                return self._body_starts(req, status, event.headers, rest, m)
+                return self._body_starts(req, status, headers, rest, m)
             return b""  # ConnectionClosed: nothing more to parse
 
     def _body_starts(
@@ -400,10 +402,12 @@ class ConnectionObserver(RequestReader):
         reason: bytes,
         version: bytes,
         headers: Head,
+        size: int,
         req: WireRequest,
         m: float,
     ) -> None:
-        size = head_size(len(reason) + 17, headers)  # "HTTP/1.1 200 reason\r\n" + "\r\n"
+        """A final response head, read by h11 or the quick path (``size``: its
+        ``head_size``)."""
         if size > self._max_header:
             raise h11.RemoteProtocolError(
                 f"response head of {size} bytes is over max_header_bytes ({self._max_header})"

@@ -131,11 +131,11 @@ class RequestReader(ExchangeTracker[WireRequest]):
         quick = quick_request(data, self._max_header)
         if quick is None:
             return None
-        line = len(quick.method) + len(quick.target) + 14
+        size = head_size(len(quick.method) + len(quick.target) + 14, quick)
         lines = data.count(b"\n", 0, quick.end)
-        if lines > MAX_HEADER_LINES or head_size(line, quick) > self._max_header:
+        if lines > MAX_HEADER_LINES or size > self._max_header:
             return None  # h11's verdict, in its words
-        self._start_request(quick.method, quick.target, quick.version, quick, m)
+        self._start_request(quick.method, quick.target, quick.version, quick, size, m)
         framing, length = request_framing(quick.lower)
         self._req_body = BodyDecoder(framing, length)
         return self._quick_body(data[quick.end :], m)
@@ -182,8 +182,9 @@ class RequestReader(ExchangeTracker[WireRequest]):
             if event is h11.NEED_DATA or event is h11.PAUSED:
                 return b""
             if isinstance(event, h11.Request):
-                headers = event.headers
-                self._start_request(event.method, event.target, event.http_version, headers, m)
+                method, target, headers = event.method, event.target, event.headers
+                size = head_size(len(method) + len(target) + 14, headers)  # "M T HTTP/1.1\r\n"
+                self._start_request(method, target, event.http_version, headers, size, m)
             elif isinstance(event, h11.Data):
                 self._on_request_body(event.data)
             elif isinstance(event, h11.EndOfMessage):
@@ -207,12 +208,18 @@ class RequestReader(ExchangeTracker[WireRequest]):
             self._feed_requests(held, m)
 
     def _start_request(
-        self, method_b: bytes, target: bytes, version: bytes, headers: Head, m: float
+        self,
+        method_b: bytes,
+        target: bytes,
+        version: bytes,
+        headers: Head,
+        size: int,
+        m: float,
     ) -> None:
-        """A request head, read by h11 or the quick path (``headers``: either's)."""
+        """A request head, read by h11 or the quick path (``headers``: either's; ``size``:
+        its ``head_size``)."""
         self._head_lines = -1  # the head is parsed: its body's newlines are not counted
         self.head_started_m = None
-        size = head_size(len(method_b) + len(target) + 14, headers)  # "M T HTTP/1.1\r\n"
         if size > self._max_header:
             raise h11.RemoteProtocolError(
                 f"request head of {size} bytes is over max_header_bytes ({self._max_header})"
