@@ -65,7 +65,22 @@ def _command_module(name: str) -> Any:
     return importlib.import_module(f"tracer.{COMMANDS[name][0]}")
 
 
-def _parser() -> argparse.ArgumentParser:
+def _command_in(argv: list[str]) -> str | None:
+    """The command ``argv`` names (its first word that is not a top-level option), or None."""
+    words = iter(argv)
+    for word in words:
+        if word.startswith("--log-l") and "--log-level".startswith(word.split("=")[0]):
+            if "=" not in word:
+                next(words, None)  # (its value)
+        elif not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
+
+
+def _parser(only: str | None = "*") -> argparse.ArgumentParser:
+    """The whole command line; ``only``: the one command whose options are set up (each
+    command's module is imported to set up its options: a tap or an analysis then does
+    not pay for importing every other command's; ``"*"``: all of them)."""
     p = TracerParser(
         prog="tracer",
         description="Traffic-layer diagnostic proxy for LLM serving.",
@@ -75,13 +90,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"tracer {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
-        module = _command_module(name)
-        module.configure(sub.add_parser(name, help=help_text, description=module.__doc__))
+        if only in ("*", name):
+            module = _command_module(name)
+            module.configure(sub.add_parser(name, help=help_text, description=module.__doc__))
+        else:
+            sub.add_parser(name, help=help_text)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    args = _parser(_command_in(words)).parse_args(words)
     logs.configure(json=args.log_json, level=args.log_level)
     try:
         return _dispatch(args)
