@@ -292,7 +292,7 @@ async def buffering_proxy(d: Demo) -> list[Path]:
 
 async def client_not_reading(d: Demo) -> list[Path]:
     """A client that sends a streaming request, then stops reading its answer."""
-    e1 = await d.engine("engine-1", "--ttft", "0.0", "--itl", "0.001")
+    e1 = await d.engine("engine-1", "--ttft", "0.0", "--itl", "0.0001")
     cap = d.out / "tap.jsonl"
     tap = await d.proxy("tap", e1.url, "--capture", str(cap), "--stall-after", "0.3")
     port = int(tap.url.rsplit(":", 1)[1])
