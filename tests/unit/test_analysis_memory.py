@@ -37,10 +37,10 @@ def test_spilled_rows_give_the_same_output_as_rows_in_memory(
 ) -> None:
     spilled = Summary(**SMALL)
     kept = Summary(**IN_MEMORY)
-    for event in capture(6_000):  # 12k request rows over two taps: 123 spills
+    for event in capture(3_000):  # 6k request rows over two taps: 61 spills
         spilled.feed(event)
         kept.feed(event)
-    assert spilled.requests.store.spills > 100 and kept.requests.store.spills == 0
+    assert spilled.requests.store.spills > 50 and kept.requests.store.spills == 0
     assert spilled.late_events == 0
     monkeypatch.setattr(findings.join, "SPILL_ITEMS", 101)  # the cross-tap join spills too
     a = outputs(spilled, text=False)
@@ -48,7 +48,7 @@ def test_spilled_rows_give_the_same_output_as_rows_in_memory(
     b = outputs(kept, text=False)
     assert a == b
     doc = json.loads(a["json"])
-    assert doc["totals"]["requests"] == 12_000 - 4  # 4 hung requests never reached "back"
+    assert doc["totals"]["requests"] == 6_000 - 4  # 4 hung requests never reached "back"
     kinds = [(f["party"], f["kind"]) for f in doc["findings"]]
     (hung,) = [f for f in doc["findings"] if f["kind"] == "proxy_hung_on_reuse"]
     assert hung["party"] == "proxy" and hung["grouped"] == 4  # one finding, 4 requests
@@ -118,8 +118,8 @@ def test_peak_memory_does_not_grow_with_the_capture(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(findings.join, "SPILL_ITEMS", 101)
     monkeypatch.setattr(spill, "FAN_IN", 4)
     monkeypatch.setattr(spill, "READ_BUDGET", 64 * 1024)
-    small, large = _peak(1_000), _peak(4_000)
-    assert large < 1.5 * small, f"peak {small / 2**20:.1f} MiB -> {large / 2**20:.1f} MiB"
+    small, large = _peak(1_000), _peak(2_500)
+    assert large < 1.5 * small, f"peak {small / 2**20:.2f} MiB -> {large / 2**20:.2f} MiB"
 
 
 def test_late_events_are_counted_and_ignored_not_ghost_rows() -> None:
