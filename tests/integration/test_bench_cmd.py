@@ -71,7 +71,7 @@ async def test_bench_matches_the_engines_decode_rate(tmp_path: Path) -> None:
             # rough size, what bench must match is the step the engine delivered
             assert step * 0.95 <= engine_step <= step * 2, engine_step
             tpot = r["tpot_ms"]["mean"] / 1000
-            assert tpot == pytest.approx(engine_step, rel=0.03), (tpot, engine_step)
+            assert tpot == pytest.approx(engine_step, rel=0.04), (tpot, engine_step)  # (as ITL)
             # 4 %: a loaded machine's delivery jitter (2.1 % seen with a busy core) passes,
             # a count off by one interval (20 tokens, 19 gaps: 5 %) does not
             assert r["itl_ms"]["mean"] / 1000 == pytest.approx(engine_step, rel=0.04)
