@@ -61,6 +61,7 @@ SCENARIOS = [
     "idle",
 ]
 IDLE_CONNS = 1000
+IDLE_CPU_WINDOW = 5.0  # seconds the idle connections are left alone while the CPU is read
 
 
 @dataclass
@@ -237,6 +238,10 @@ async def _idle(target: peers.Target, n: int) -> dict[str, Any]:
         errors += await asyncio.wait_for(second.open(target.port, n), 60)
         await asyncio.sleep(1.0)
         r2 = target.rss()
+        # what the 2n idle connections cost in CPU: the proxy's CPU over a quiet window
+        cpu0, t0 = target.cpu(), time.monotonic()
+        await asyncio.sleep(IDLE_CPU_WINDOW)
+        idle_cpu = (target.cpu() - cpu0) / (time.monotonic() - t0)  # cores busy
     finally:
         first.close()
         second.close()
@@ -250,6 +255,9 @@ async def _idle(target: peers.Target, n: int) -> dict[str, Any]:
         f"rss_{2 * n}_kib": r2,
         "rss_per_conn_first": (r1 - base) / n,
         "rss_per_conn_next": (r2 - r1) / n,
+        "idle_cpu_util": idle_cpu,
+        "idle_open": 2 * n,
+        "cpu_per_idle_conn": idle_cpu / (2 * n),  # CPU-seconds per second per connection
         "errors": errors,
     }
 
@@ -280,7 +288,8 @@ def _line(scen: str, name: str, m: dict[str, Any]) -> str:
         return (
             f"{scen:12} {name:9} {m['rss_per_conn_first']:.1f} KiB/conn (first), "
             f"{m['rss_per_conn_next']:.1f} KiB/conn (next); new conn + request p50 "
-            f"{fmt_time(m['new_conn_p50'])} p99 {fmt_time(m['new_conn_p99'])}"
+            f"{fmt_time(m['new_conn_p50'])} p99 {fmt_time(m['new_conn_p99'])}; "
+            f"CPU {m['idle_cpu_util'] * 100:.2f}% with {m['idle_open']} open"
         )
     rig = f"rig {m['rig_util'] * 100:.0f}%"
     proxy = "" if name == "direct" else f" proxy {(m['proxy_util'] or 0) * 100:.0f}%"
