@@ -363,8 +363,14 @@ def test_many_connections_are_grouped_into_lanes(tmp_path: Path) -> None:
     assert (tl["layout"], tl["connections_per_lane"], tl["lanes"]) == ("grouped", 3, 4)
     ids = svg_ids(tmp_path / "many-timeline.svg")
     assert ids["lane"] == ids["heat"] == 4
-    # only the requests that did not go cleanly are drawn one by one: the stalled one
-    assert ids["req"] == len(doc["problem_requests"]) >= 1
+    # only the requests that did not go cleanly are drawn one by one: the stalled one (a
+    # loaded machine may add requests a note names, e.g. slow first tokens: not drawn)
+    unclean = [
+        r
+        for r in doc["problem_requests"]
+        if r["termination"] != "complete" or r["stalls"] or (r["status"] or 0) >= 400 or r["error"]
+    ]
+    assert ids["req"] == len(unclean) >= 1
     assert "edge/12/2" in [r["id"] for r in doc["problem_requests"]]
     assert ids["stall"] == doc["overview"]["totals"]["stalls"] >= 1
     assert lane_bands(tmp_path / "many-timeline.png") == 4
