@@ -24,9 +24,11 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check $(LINT_DIRS)
 	$(BIN)/mypy
 
-# tests/unit, tests/integration, tests/e2e; two workers (`pytest -m "not e2e"`: the quick loop)
+# tests/unit, tests/integration, tests/e2e (`pytest -m "not e2e"`: the quick loop). Four
+# workers on two cores: most tests spend their time waiting on sockets and processes.
+TEST_WORKERS ?= 4
 test: lint
-	$(BIN)/pytest -q -n 2
+	$(BIN)/pytest -q -n $(TEST_WORKERS)
 
 # The peers and wrk come from Debian; py-spy only for `--profile`.
 bench: $(STAMP)
