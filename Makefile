@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench soak clean
+.PHONY: venv demo test lint bench soak clean compiled
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -12,9 +12,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-venv: $(STAMP)
+# The per-read modules compiled with mypyc (docs/compiled.md): a no-op while the build
+# matches its sources, rebuilt when one changed; without mypyc or a C compiler, pure
+# Python (phony: the build's manifest knows what it depends on, make cannot say it).
+compiled: $(STAMP)
+	$(BIN)/python -m tracer.compiled build
 
-demo: $(STAMP)
+venv: $(STAMP) compiled
+
+demo: compiled
 	$(BIN)/tracer demo
 
 LINT_DIRS := $(wildcard tracer addons tests bench)
@@ -27,11 +33,11 @@ lint: $(STAMP)
 # tests/unit, tests/integration, tests/e2e (`pytest -m "not e2e"`: the quick loop). Four
 # workers on two cores: most tests spend their time waiting on sockets and processes.
 TEST_WORKERS ?= 4
-test: lint
+test: lint compiled
 	$(BIN)/pytest -q -n $(TEST_WORKERS)
 
 # The peers and wrk come from Debian; py-spy only for `--profile`.
-bench: $(STAMP)
+bench: compiled
 	@command -v nginx >/dev/null && command -v wrk >/dev/null || \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light wrk >/dev/null)
 	$(BIN)/python -m bench.run
@@ -44,8 +50,8 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.fault_layer
 
 # 10 minutes at C=256 of mixed traffic through the tap: records lost, RSS and descriptors.
-soak: $(STAMP)
+soak: compiled
 	$(BIN)/python -m bench.soak --duration 600 --concurrency 256
 
 clean:
-	rm -rf $(VENV) demo-out bench-out
+	rm -rf $(VENV) demo-out bench-out build

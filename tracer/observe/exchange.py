@@ -24,9 +24,8 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Callable, Iterable
-from itertools import islice, repeat
-from operator import sub
-from typing import Any, Literal, NamedTuple
+from itertools import repeat
+from typing import Any, Final, Literal, NamedTuple
 
 from .. import events as ev
 from ..capture.bodies import RequestBody, encode_body
@@ -37,14 +36,14 @@ Bodies = Literal["none", "requests", "all"]
 Close = Literal["fin", "reset"]
 StallDirection = Literal["upstream_silent", "client_not_reading", "client_silent"]
 
-MAX_BODY_KEEP = 16 * 1024 * 1024
-BODY_BATCH_SECONDS = 0.1  # a body record covers the reads of at most this long
-BODY_BATCH_READS = 256  # ... and at most this many reads
+MAX_BODY_KEEP: Final = 16 * 1024 * 1024
+BODY_BATCH_SECONDS: Final = 0.1  # a body record covers the reads of at most this long
+BODY_BATCH_READS: Final = 256  # ... and at most this many reads
 # The pieces a batch of mitmproxy's keeps until it is written (SSE, bodies=all) stay under
 # about MAX_KEPT_BYTES: pieces under BIG_PIECE are bounded by BODY_BATCH_READS (256 x 4
 # KiB); a bigger one makes the batch due once the batch would pass the bound.
-MAX_KEPT_BYTES = 1 << 20
-BIG_PIECE = 4096
+MAX_KEPT_BYTES: Final = 1 << 20
+BIG_PIECE: Final = 4096
 
 
 def tick_interval(stall_after: float) -> float:
@@ -137,7 +136,7 @@ class RequestHeadFacts(NamedTuple):
     hop: list[tuple[bytes, bytes]]  # its Connection and Upgrade headers
 
 
-_REQUEST_HEADERS_READ = frozenset(
+_REQUEST_HEADERS_READ: Final = frozenset(
     (b"content-length", b"transfer-encoding", b"expect", b"x-request-id", b"content-type")
 )
 
@@ -164,7 +163,7 @@ def request_head_facts(headers: Iterable[tuple[bytes, bytes]]) -> RequestHeadFac
         elif name == b"x-request-id":
             request_id = value.decode("latin-1")
         else:  # content-type
-            json_body = b"json" in value.lower()
+            json_body = value.lower().find(b"json") >= 0  # (find: see response_head_facts)
     return RequestHeadFacts(content_length, chunked, expect, request_id, json_body, hop)
 
 
@@ -187,9 +186,10 @@ def response_head_facts(
             sse = is_event_stream(value)
         elif name == b"connection":
             lowered = value.lower()
-            if b"close" in lowered:
+            # (find, not ``in``: ``bytes in bytes`` raises and clears a TypeError inside)
+            if lowered.find(b"close") >= 0:
                 keep_alive = False
-            elif b"keep-alive" in lowered:
+            elif lowered.find(b"keep-alive") >= 0:
                 keep_alive = True
     return content_length, chunked, sse, keep_alive
 
@@ -232,7 +232,9 @@ class ExchangeTracker[R: ResponseState[Any]]:
 
     Subclasses add what their tap sees: ``ended`` runs after each response end,
     ``batch_sse`` gives a batch's SSE entries when it is written (default: those added
-    with the reads), ``flush_body`` may be extended.
+    with the reads), ``flush_body`` may be extended. This module is compiled with mypyc
+    (``tracer/compiled.py``): a subclass must be in a compiled module too (``HOT``), or
+    compiled callers would not see its overrides.
     """
 
     def __init__(
@@ -287,20 +289,24 @@ class ExchangeTracker[R: ResponseState[Any]]:
         self.begin(st)
         m = st.head_m
         idle = 0.0 if pipelined else max(0.0, m - self.last_end_m)
-        self.record(
-            ev.RequestHead,
-            m,
-            seq=st.seq,
-            idle_before=round(idle, 6),
-            method=method,
-            target=target,
-            version=version,
-            headers=headers,
-            request_id=facts.request_id,
-            content_length=facts.content_length,
-            chunked=facts.chunked,
-            expect_continue=facts.expect_continue,
-            pipelined=pipelined,
+        self.emit(  # (as ``record`` would: the hot records are made here, without a **splat)
+            ev.RequestHead(
+                t=m + self.wall,
+                m=m,
+                tap=self.tap,
+                conn=self.conn,
+                seq=st.seq,
+                idle_before=round(idle, 6),
+                method=method,
+                target=target,
+                version=version,
+                headers=headers,
+                request_id=facts.request_id,
+                content_length=facts.content_length,
+                chunked=facts.chunked,
+                expect_continue=facts.expect_continue,
+                pipelined=pipelined,
+            )
         )
 
     def request_end(self, st: R, m: float, body: RequestBody, *, complete: bool) -> None:
@@ -330,20 +336,24 @@ class ExchangeTracker[R: ResponseState[Any]]:
         """The upstream's response head (or, ``by_tracer``, one an addon answered with)."""
         st.status = status
         st.resp_head_m = st.last_data_m = m
-        self.record(
-            ev.ResponseHead,
-            m,
-            seq=st.seq,
-            status=status,
-            reason=reason,
-            version=version,
-            headers=headers,
-            ttfb=round(m - st.head_m, 6),
-            sse=sse,
-            content_length=content_length,
-            chunked=chunked,
-            keep_alive=keep_alive,
-            by_tracer=by_tracer,
+        self.emit(
+            ev.ResponseHead(
+                t=m + self.wall,
+                m=m,
+                tap=self.tap,
+                conn=self.conn,
+                seq=st.seq,
+                status=status,
+                reason=reason,
+                version=version,
+                headers=headers,
+                ttfb=round(m - st.head_m, 6),
+                sse=sse,
+                content_length=content_length,
+                chunked=chunked,
+                keep_alive=keep_alive,
+                by_tracer=by_tracer,
+            )
         )
 
     def tracer_answer(self, st: R, m: float, status: int, reason: str, detail: str | None) -> None:
@@ -384,8 +394,12 @@ class ExchangeTracker[R: ResponseState[Any]]:
         if sse:
             dt = ((m - times[0]) * 1e6 + 0.5) // 1 / 1e6  # as flush_body's, cheaper than round
             entries = st.sse_entries
-            for event in sse:
-                entries.append([dt, *event.as_record()])
+            for event in sse:  # (each entry as ``[dt, *event.as_record()]``)
+                reason = event.finish_reason
+                if reason is None:
+                    entries.append([dt, event.size, event.kind])
+                else:
+                    entries.append([dt, event.size, event.kind, reason])
                 count_sse(st, event, m)
         if raw and st.kept is not None:
             st.kept.extend(raw)
@@ -420,19 +434,35 @@ class ExchangeTracker[R: ResponseState[Any]]:
         """Write the batch as one ``body`` record; its reads count from now (bytes, gaps,
         the last sign of life)."""
         times = st.times
-        if not times:
+        n = len(times)
+        if not n:
             return
         first, last = times[0], times[-1]
         sizes, chunks = st.sizes, st.chunks
-        dts = [((m - first) * 1e6 + 0.5) // 1 / 1e6 for m in times]  # round(…, 6), cheaper
-        gap = max(map(sub, islice(times, 1, None), times), default=0.0)  # within the batch
+        # in one pass (plain loops: compiled, they are what costs least): each read's
+        # offset from the first, round(…, 6) the cheaper way; the longest gap between two
+        # reads within the batch (max() of the differences: the first of them, then
+        # any greater one); the bytes and the data chunks
+        dts = [0.0] * n
+        gap = 0.0
+        total = started = 0
+        before = first
+        for i in range(n):
+            m = times[i]
+            dts[i] = ((m - first) * 1e6 + 0.5) // 1 / 1e6
+            if i == 1 or (i and m - before > gap):
+                gap = m - before
+            before = m
+        for size in sizes:
+            total += size
+        for count in chunks:
+            started += count
         prev = st.last_data_m
         if prev is not None and first - prev > gap:
             gap = first - prev
         if gap > st.max_gap:
             st.max_gap = gap
         st.last_data_m = last
-        total = sum(sizes)
         st.resp_bytes += total
         if last > self.last_activity_m:
             self.last_activity_m = last
@@ -440,6 +470,14 @@ class ExchangeTracker[R: ResponseState[Any]]:
         data = encoding = None
         if st.kept and self.keep_data:
             data, encoding = encode_body(b"".join(st.kept))
+        if len(sizes) != n or (chunks and len(chunks) != n):  # (never: zip's error, as was)
+            reads = list(
+                zip(dts, sizes, chunks, strict=True) if chunks else zip(dts, sizes, repeat(0))
+            )
+        elif chunks:
+            reads = [(dts[i], sizes[i], chunks[i]) for i in range(n)]
+        else:
+            reads = [(dts[i], sizes[i], 0) for i in range(n)]
         self.emit(
             ev.BodyData(
                 t=first + self.wall,
@@ -448,10 +486,8 @@ class ExchangeTracker[R: ResponseState[Any]]:
                 conn=self.conn,
                 seq=st.seq,
                 size=total,
-                chunks=sum(chunks),
-                reads=list(
-                    zip(dts, sizes, chunks, strict=True) if chunks else zip(dts, sizes, repeat(0))
-                ),
+                chunks=started,
+                reads=reads,
                 sse=sse,
                 data=data,
                 data_encoding=encoding,
@@ -500,26 +536,30 @@ class ExchangeTracker[R: ResponseState[Any]]:
         self.end_stall(st, m)
         self.last_end_m = m
         head = st.head_m
-        self.record(
-            ev.ResponseEnd,
-            m,
-            seq=st.seq,
-            termination=termination,
-            status=st.status,
-            body_bytes=st.resp_bytes,
-            duration=round(m - head, 6),
-            ttfb=None if st.resp_head_m is None else round(st.resp_head_m - head, 6),
-            first_token=None if st.first_token_m is None else round(st.first_token_m - head, 6),
-            events=st.events,
-            comments=st.comments,
-            done=st.done,
-            finish_reason=st.finish_reason,
-            usage=st.usage,
-            error=st.error,
-            max_gap=round(st.max_gap, 6) if st.resp_head_m is not None else None,
-            close=close,
-            mid_event=bool(termination != "complete" and st.sse is not None and st.sse.pending),
-            detail=detail,
+        self.emit(
+            ev.ResponseEnd(
+                t=m + self.wall,
+                m=m,
+                tap=self.tap,
+                conn=self.conn,
+                seq=st.seq,
+                termination=termination,
+                status=st.status,
+                body_bytes=st.resp_bytes,
+                duration=round(m - head, 6),
+                ttfb=None if st.resp_head_m is None else round(st.resp_head_m - head, 6),
+                first_token=None if st.first_token_m is None else round(st.first_token_m - head, 6),
+                events=st.events,
+                comments=st.comments,
+                done=st.done,
+                finish_reason=st.finish_reason,
+                usage=st.usage,
+                error=st.error,
+                max_gap=round(st.max_gap, 6) if st.resp_head_m is not None else None,
+                close=close,
+                mid_event=bool(termination != "complete" and st.sse is not None and st.sse.pending),
+                detail=detail,
+            )
         )
         self.ended(st, m, oldest=oldest)
 

@@ -11,7 +11,7 @@ import logging
 from typing import Any, Literal
 
 from ..capture.bodies import RequestBody
-from .exchange import ExchangeTracker, ResponseState, stall_direction
+from .exchange import Emit, ExchangeTracker, ResponseState, stall_direction
 from .flow_sse import ContentShape, SseObserver, batch_sse
 
 log = logging.getLogger("tracer.observe.flows")
@@ -69,9 +69,28 @@ class FlowConn(ExchangeTracker[Flow]):
     """One client connection: its exchanges, and what mitmproxy tells about it."""
 
     def __init__(
-        self, conn: int, cid: str, opened_m: float, flows: dict[str, Flow], **tracker: Any
+        self,
+        conn: int,
+        cid: str,
+        opened_m: float,
+        flows: dict[str, Flow],
+        *,
+        tap: str,
+        emit: Emit,
+        wall: float,
+        bodies: str = "requests",
+        redact_fields: frozenset[str] = frozenset(),
     ) -> None:
-        super().__init__(conn=conn, opened_m=opened_m, **tracker)
+        # (the tracker's arguments by name: mypyc passes a **splat to a native __init__ wrong)
+        super().__init__(
+            tap=tap,
+            conn=conn,
+            emit=emit,
+            wall=wall,
+            opened_m=opened_m,
+            bodies=bodies,
+            redact_fields=redact_fields,
+        )
         self.cid = cid
         self.opened_m = opened_m
         self._flows = flows  # the observer's flows in flight, by id

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Final
 
 import h11
 
@@ -91,7 +91,7 @@ __all__ = [
     "not_http",
 ]
 
-MAX_HEADER_BYTES = 64 * 1024
+MAX_HEADER_BYTES: Final = 64 * 1024
 
 
 class ConnectionObserver(RequestReader):

@@ -11,6 +11,7 @@ records (``tests/unit/test_quick_heads.py`` holds the quick path to h11's readin
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, Final, cast
 
 import h11
 
@@ -22,8 +23,8 @@ from ..protocol.sse import SseSplitter
 from ..redact import redact_headers, redact_target
 from .exchange import Close, ExchangeTracker, ResponseState, request_head_facts
 
-MAX_HEADER_LINES = 1024  # a head with more lines is not parsed (observation cost bounded)
-MAX_HELD_BYTES = 1024 * 1024  # client bytes held while a protocol switch is undecided
+MAX_HEADER_LINES: Final = 1024  # a head with more lines is not parsed (observation cost bounded)
+MAX_HELD_BYTES: Final = 1024 * 1024  # client bytes held while a protocol switch is undecided
 
 
 def not_http(data: bytes) -> str | None:
@@ -186,7 +187,8 @@ class RequestReader(ExchangeTracker[WireRequest]):
                 size = head_size(len(method) + len(target) + 14, headers)  # "M T HTTP/1.1\r\n"
                 self._start_request(method, target, event.http_version, headers, size, m)
             elif isinstance(event, h11.Data):
-                self._on_request_body(event.data)
+                # a bytearray, though h11 says bytes (compiled code checks: a copy)
+                self._on_request_body(bytes(cast(Any, event).data))
             elif isinstance(event, h11.EndOfMessage):
                 req = self._receiving
                 if req is not None:
@@ -230,7 +232,11 @@ class RequestReader(ExchangeTracker[WireRequest]):
         body = RequestBody(self._max_body_keep, keep=keep, budget=self._budget)
         req = WireRequest(m, method, facts.json_body, body, keep=self.keep_data)
         req.mirror += facts.hop  # so that the head parser accepts a 101 to an Upgrade
-        req.may_switch = method == "CONNECT" or any(n == b"upgrade" for n, _ in facts.hop)
+        req.may_switch = method == "CONNECT"
+        for name, _ in facts.hop:
+            if name == b"upgrade":
+                req.may_switch = True
+                break
         self._receiving = req
         self.request_head(
             req,

@@ -16,14 +16,15 @@ for code that passes the raw bytes on, cut where the framing is (the fault layer
 says where the body ends and, in ``parts``, what each stretch of bytes is (``Part``).
 
 ``body_framing`` and ``request_framing`` say, from a head's headers, how its body is
-delimited.
+delimited. The module is compiled with mypyc (``tracer/compiled.py``): the walk reads
+byte values as ints and the usual chunk-size line in place.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Literal
+from typing import Final, Literal
 
 Framing = Literal["length", "chunked", "close", "none"]
 PartKind = Literal["size", "data", "crlf", "end"]
@@ -35,16 +36,47 @@ chunk-size line, ``data`` body bytes, ``crlf`` the CRLF after a chunk's data, ``
 the last chunk's size line and the trailer section. A line cut across reads is one part
 in each read; a ``size`` part can be the start of the last chunk's line."""
 
-MAX_CHUNK_LINE = 4096  # a chunk-size line (with extensions) longer than this is malformed
-MAX_TRAILERS = 64 * 1024
-_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
+MAX_CHUNK_LINE: Final = 4096  # a chunk-size line (with extensions) longer than this is malformed
+MAX_TRAILERS: Final = 64 * 1024
+_HEX: Final = re.compile(rb"[0-9A-Fa-f]{1,16}")
+# the states of a chunked body
+_SIZE: Final = 0  # a chunk-size line
+_DATA: Final = 1  # a chunk's data
+_DATA_CRLF: Final = 2  # the CRLF after it
+_TRAILER: Final = 3  # the trailer section, after the last chunk
 
 
 def chunk_size(line: bytes) -> int | None:
     """The size a chunk-size line (without its CRLF) gives, extensions ignored; None when
     it is not one."""
-    size_field = line.split(b";", 1)[0].strip(b" \t")
+    return _chunk_size(line, 0, len(line))
+
+
+def _chunk_size(buf: bytes, start: int, stop: int) -> int | None:
+    """``chunk_size(buf[start:stop])``: the common line (hex digits only) read in place."""
+    if 0 < stop - start <= 16:
+        end, value = _hex(buf, start, stop)
+        if end == stop:
+            return value
+    size_field = buf[start:stop].split(b";", 1)[0].strip(b" \t")
     return int(size_field, 16) if _HEX.fullmatch(size_field) else None
+
+
+def _hex(buf: bytes, at: int, stop: int) -> tuple[int, int]:
+    """The hex digits from ``at`` (before ``stop``): (where they end, their value)."""
+    value = 0
+    while at < stop:
+        byte = buf[at]
+        if 48 <= byte <= 57:  # 0-9
+            value = value * 16 + byte - 48
+        elif 97 <= byte <= 102:  # a-f
+            value = value * 16 + byte - 87
+        elif 65 <= byte <= 70:  # A-F
+            value = value * 16 + byte - 55
+        else:
+            break
+        at += 1
+    return at, value
 
 
 class FramingError(Exception):
@@ -119,8 +151,7 @@ class BodyDecoder:
         self.framing = framing
         self._remaining = length
         self._line = b""  # a chunk-size / trailer line split across reads
-        # chunked states: size, data, data_crlf, trailer
-        self._state = "size"
+        self._state = _SIZE  # of a chunked body
         self._count = 0  # data chunks started in the current feed
         self.done = framing == "none"
 
@@ -166,7 +197,7 @@ class BodyDecoder:
                 parts.append((pos + take, "data", False))
             return pos + take
         self._count = 0
-        if parts is None and self._state == "size" and not self._line:
+        if parts is None and self._state == _SIZE and not self._line:
             pos = self._skip_chunks(data, pos)
             if pos >= n:
                 return pos
@@ -181,7 +212,7 @@ class BodyDecoder:
             eol = data.find(b"\r\n", pos, pos + MAX_CHUNK_LINE)
             if eol < 0:
                 break
-            size = chunk_size(data[pos:eol])
+            size = _chunk_size(data, pos, eol)
             end = eol + 2 + (size or 0)
             if not size or data[end : end + 2] != b"\r\n":
                 break
@@ -219,18 +250,18 @@ class BodyDecoder:
         end = len(buf)
         while pos < end:
             state = self._state
-            if state == "data":
+            if state == _DATA:
                 take = min(self._remaining, end - pos)
                 if pieces is not None:
                     pieces.append(buf[pos : pos + take])
                 pos += take
                 self._remaining -= take
                 if self._remaining == 0:
-                    self._state = "data_crlf"
+                    self._state = _DATA_CRLF
                 if parts is not None:
                     parts.append((pos + base, "data", self._remaining == 0))
                 continue
-            if state == "data_crlf":
+            if state == _DATA_CRLF:
                 if end - pos < 2:
                     if buf[pos:end] != b"\r"[: end - pos]:
                         raise FramingError("chunk data not followed by CRLF", pos + base - start)
@@ -239,40 +270,51 @@ class BodyDecoder:
                         parts.append((end + base, "crlf", False))
                     pos = end
                     break
-                if buf[pos : pos + 2] != b"\r\n":
+                if buf[pos] != 13 or buf[pos + 1] != 10:  # CRLF
                     raise FramingError("chunk data not followed by CRLF", pos + base - start)
                 pos += 2
-                self._state = "size"
+                self._state = _SIZE
                 if parts is not None:
                     parts.append((pos + base, "crlf", True))
                 continue
-            nl = buf.find(b"\r\n", pos)
+            nl = -1
+            size: int | None = None
+            if state == _SIZE:  # the usual size line (hex digits, CRLF): read in place
+                at, value = _hex(buf, pos, min(end, pos + 17))
+                if pos < at <= pos + 16 and at + 1 < end and buf[at] == 13 and buf[at + 1] == 10:
+                    nl = at
+                    size = value
             if nl < 0:
-                rest = buf[pos:end]
-                if len(rest) > (MAX_TRAILERS if state == "trailer" else MAX_CHUNK_LINE):
-                    raise FramingError(f"chunk {state} line too long", pos + base - start)
-                self._line = rest
-                if parts is not None:
-                    parts.append((end + base, "size" if state == "size" else "end", False))
-                pos = end
-                break
-            line = buf[pos:nl]
-            line_at = pos + base - start
-            pos = nl + 2
+                nl = buf.find(b"\r\n", pos)
+                if nl < 0:
+                    rest = buf[pos:end]
+                    if state == _TRAILER:
+                        if len(rest) > MAX_TRAILERS:
+                            raise FramingError("chunk trailer line too long", pos + base - start)
+                    elif len(rest) > MAX_CHUNK_LINE:
+                        raise FramingError("chunk size line too long", pos + base - start)
+                    self._line = rest
+                    if parts is not None:
+                        parts.append((end + base, "size" if state == _SIZE else "end", False))
+                    pos = end
+                    break
+                if state == _SIZE:
+                    size = _chunk_size(buf, pos, nl)
             kind: PartKind = "end"
-            if state == "size":
-                size = chunk_size(line)
-                if len(line) > MAX_CHUNK_LINE or size is None:
-                    raise FramingError(f"illegal chunk header: {line[:40]!r}", line_at)
+            if state == _SIZE:
+                if nl - pos > MAX_CHUNK_LINE or size is None:
+                    line_at = pos + base - start
+                    raise FramingError(f"illegal chunk header: {buf[pos:nl][:40]!r}", line_at)
                 if size:
                     self._count += 1  # data chunks only: the last chunk is not counted
                     self._remaining = size
-                    self._state = "data"
+                    self._state = _DATA
                     kind = "size"
                 else:
-                    self._state = "trailer"
-            elif not line:  # trailer lines until an empty line
+                    self._state = _TRAILER
+            elif nl == pos:  # trailer lines until an empty line
                 self.done = True
+            pos = nl + 2
             if parts is not None:
                 parts.append((pos + base, kind, False))
             if self.done:

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
-MAX_HEAD = 64 * 1024
+MAX_HEAD: Final = 64 * 1024
 
 Headers = list[tuple[bytes, bytes]]
 
-_HEAD_END = re.compile(rb"\n\r?\n")
+_HEAD_END: Final = re.compile(rb"\n\r?\n")
 # empty lines, then the method: a token (RFC 9110), which a space must follow
-_REQUEST_START = re.compile(rb"(?:\r?\n)*([!#$%&'*+.^_`|~0-9A-Za-z-]*)")
+_REQUEST_START: Final = re.compile(rb"(?:\r?\n)*([!#$%&'*+.^_`|~0-9A-Za-z-]*)")
 
 
 class HeadError(Exception):
@@ -137,13 +137,13 @@ def _parse(head: bytes, *, request: bool) -> tuple[bytes, bytes, Headers]:
 
 _TOKEN = rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+"
 _FIELDS = rb"((?:" + _TOKEN + rb":[\t \x21-\x7e\x80-\xff]*\r\n)*)\r\n"
-_QUICK_REQUEST = re.compile(
+_QUICK_REQUEST: Final = re.compile(
     rb"(" + _TOKEN + rb") ([\x21-\x7e]+) HTTP/(1\.[01])\r\n" + _FIELDS, re.DOTALL
 )
-_QUICK_RESPONSE = re.compile(
+_QUICK_RESPONSE: Final = re.compile(
     rb"HTTP/(1\.[01]) ([2-9][0-9]{2})(?: ([\t \x21-\x7e\x80-\xff]*))?\r\n" + _FIELDS, re.DOTALL
 )
-_MAX_LENGTH_DIGITS = 18
+_MAX_LENGTH_DIGITS: Final = 18
 
 
 class QuickHead(NamedTuple):
