@@ -176,7 +176,9 @@ async def test_sniff_records_a_live_exchange_as_a_tap_would(tmp_path: Path) -> N
     # the tracer's own connections (the poller's scrapes, the probe) are seen, and
     # counted as its own: none of their requests is in the tables
     own = [c for c in doc["connections"] if c["conn"] not in (first["conn"], second["conn"])]
-    assert own and all(c["probes"] == c["requests"] == 1 for c in own)
+    # (a scrape the stop cut before its request was on the wire has no request at all)
+    assert own and all(c["probes"] == c["requests"] <= 1 for c in own)
+    assert sum(c["requests"] for c in own) >= 2
     assert doc["totals"]["tap_own_requests"] == len(own)
 
 
