@@ -33,11 +33,13 @@ BODY = {
 }
 
 
-async def _stream(client: httpx.AsyncClient, url: str, fault: str | None) -> None:
+async def _stream(
+    client: httpx.AsyncClient, url: str, fault: str | None, body: dict[str, Any] = BODY
+) -> None:
     headers = {"x-sim-fault": fault} if fault else {}
     try:
         async with client.stream(
-            "POST", url + "/v1/chat/completions", json=BODY, headers=headers
+            "POST", url + "/v1/chat/completions", json=body, headers=headers
         ) as r:
             async for _ in r.aiter_bytes():
                 pass
@@ -524,7 +526,9 @@ async def test_an_engine_that_is_gone_is_unreachable(tmp_path: Path, refused_por
     assert connect["figures"]["tls"] is False
 
 
-async def _through_a_faulty_hop(tmp_path: Path, hop_fault: str, *, metrics: bool) -> dict[str, Any]:
+async def _through_a_faulty_hop(
+    tmp_path: Path, hop_fault: str, *, metrics: bool, max_tokens: int = 6
+) -> dict[str, Any]:
     """client -> tap (capture) -> `tracer proxy --fault HOP_FAULT` -> sim engine: one tap,
     in front of a proxy that misbehaves; engine metrics only when ``metrics``."""
     capture = tmp_path / "cap.jsonl"
@@ -540,7 +544,7 @@ async def _through_a_faulty_hop(tmp_path: Path, hop_fault: str, *, metrics: bool
                 *(evidence if metrics else []),
             ) as proc:  # fmt: skip
                 async with httpx.AsyncClient(timeout=3.0) as client:
-                    await _stream(client, proc.url, None)
+                    await _stream(client, proc.url, None, {**BODY, "max_tokens": max_tokens})
     return await analyze_async(capture)
 
 
@@ -548,8 +552,12 @@ async def test_a_hop_holding_a_stream_while_the_engine_generates_is_the_proxy(
     tmp_path: Path,
 ) -> None:
     """The hop stops relaying after 3 events for 2 s while the engine goes on generating
-    (its counters rise): tokens were made that did not reach the tap — the hop held them."""
-    result = await _through_a_faulty_hop(tmp_path, "stall-after-events:3:2", metrics=True)
+    (its counters rise): tokens were made that did not reach the tap — the hop held them.
+    60 tokens (1.2 s of decode) keep the engine generating through most of the hold, so
+    the poller's samples (every 0.1 s, later on a loaded machine) see it inside it."""
+    result = await _through_a_faulty_hop(
+        tmp_path, "stall-after-events:3:2", metrics=True, max_tokens=60
+    )
     v = result["verdict"]
     assert (v["party"], v["kind"]) == ("proxy", "proxy_held_stream"), result["findings"]
 
