@@ -487,9 +487,12 @@ class SimEngine:
             if cut.kind != "error":
                 return cut.kind
             err = _error_obj("Generation aborted (sim fault).", "INTERNAL_SERVER_ERROR", 500)
-            await send(b"data: " + json.dumps({"error": err}).encode() + b"\n\n")
-            await send(b"data: [DONE]\n\n")
-            await stream.send(conn.send(h11.EndOfMessage()) or b"")
+            event = b"data: " + json.dumps({"error": err}).encode() + b"\n\n"
+            # the error event, [DONE] and the body's end in one write (two chunks and the
+            # last one): a client that closes at the error event does not cross the rest
+            # on the wire
+            pieces = [h11.Data(data=event), h11.Data(data=b"data: [DONE]\n\n"), h11.EndOfMessage()]
+            await stream.send(b"".join(conn.send(piece) or b"" for piece in pieces))
             return "error"
 
         head_sent = self.config.early_headers
