@@ -167,6 +167,23 @@ def test_the_sse_shortcut_gives_what_the_splitter_gives(seed: int) -> None:
     assert shape.prefix  # the shortcut was taken
 
 
+def test_no_shape_is_learned_from_a_chunk_with_a_usage_key() -> None:
+    """A text ending in a backslash makes the learned chunk's JSON unparsable (no usage
+    read from it); a chunk of the same shape with another text has a usage object."""
+    template = b'data: {"choices":[{"delta":{"content":"@"}}],"usage":{"x":1}}\n\n'
+    learned = template.replace(b"@", b"a\\")
+    assert classify(learned[:-2]).usage is None
+    shape = ContentShape()
+    shape.learn(learned, classify(learned[:-2]))
+    later = template.replace(b"@", b"b")
+    assert classify(later[:-2]).usage == {"x": 1}
+    assert not shape.fits(later)
+    # "usage":null is the same in every chunk of a shape: learned
+    plain = template.replace(b'{"x":1}', b"null")
+    shape.learn(plain.replace(b"@", b"a"), classify(plain[:-2].replace(b"@", b"a")))
+    assert shape.fits(plain.replace(b"@", b"b"))
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_a_run_of_pieces_fits_when_each_piece_does(seed: int) -> None:
     """``ContentShape.all_fit`` (counts over the joined run) against ``fits`` piece by

@@ -261,3 +261,17 @@ def test_deeply_nested_usage_does_not_raise() -> None:
     assert event.usage is None
     error = classify(b'data: {"error":' + b"[" * 100_000)
     assert error.kind == "error" and error.error
+
+
+def test_a_usage_object_the_text_kept_from_parsing_is_read_in_the_next_chunk() -> None:
+    """The splitter's shortcut for chunks of a learned shape gives what ``classify`` gives:
+    not learned from a chunk whose usage object did not parse (a text ending in a
+    backslash), learned from ``"usage":null`` chunks."""
+    template = b'data: {"choices":[{"delta":{"content":"@"}}],"usage":%s}\n\n'
+    splitter = SseSplitter()
+    for usage, texts in ((b'{"x":1}', (b"a\\", b"b", b"c")), (b"null", (b"a", b"b", b"c"))):
+        for text in texts:
+            event = template.replace(b"@", text) % usage
+            (got,) = splitter.feed(event)
+            assert got == classify(event[:-2]), event
+    assert splitter.feed(template.replace(b"@", b"d") % b'{"x":2}')[0].usage == {"x": 2}

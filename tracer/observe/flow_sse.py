@@ -44,6 +44,9 @@ class ContentShape:
             or sse.error is not None
             or event.count(b"\n") != 2
             or b"\r" in event
+            # a usage object whose JSON did not parse here (a text ending in a backslash
+            # breaks it) parses in a chunk of the same shape with another text
+            or _USAGE_OBJECT.search(event) is not None
         ):
             return
         start = event.find(b'"content":"') + 11
@@ -87,6 +90,7 @@ class ContentShape:
 
 
 _NOT_IN_TEXT = re.compile(rb'["\r\n]')
+_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')  # (a chunk no shape is learned from)
 
 
 class SseObserver:

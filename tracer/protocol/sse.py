@@ -252,9 +252,14 @@ class SseSplitter:
         ``"content":"`` whose value the text is; the text is not empty and starts with no
         quote, so that key counts it as content); none can start at the closing quote (a
         ``,`` or ``}`` follows it), so the keys of the suffix are the same ones, found
-        after the same matches. And no ``"usage"`` anywhere, whose JSON (parsed) the text
-        could change."""
-        if event.count(b"\n") != 2 or not event.endswith(b"\n\n") or event.find(b'"usage"') >= 0:
+        after the same matches. And no ``"usage"`` with an object for its value, whose JSON
+        (parsed) the text could change; ``"usage":null`` (every chunk of most engines) is
+        the same in every event of the shape, and gives no usage."""
+        if (
+            event.count(b"\n") != 2
+            or not event.endswith(b"\n\n")
+            or _USAGE_OBJECT.search(event) is not None
+        ):
             return
         start = event.find(b'"content":"') + 11
         end = event.find(b'"', start)
@@ -302,6 +307,7 @@ class SseSplitter:
 
 
 _NOT_IN_TEXT: Final = re.compile(rb'["\r\n]')  # (of a plain content chunk's text)
+_USAGE_OBJECT: Final = re.compile(rb'"usage"\s*:\s*\{')  # (a chunk no shape is learned from)
 # two line ends (CRLF, LF or CR; a CRLF is one), the blank line that ends an event: a
 # CRLF, a LF or a CR not before a LF, then any line end (a leading literal: scans fast)
 _BLANK: Final = re.compile(rb"\r\n(?>\r\n|\n|\r)|\n(?>\r\n|\n|\r)|\r(?!\n)(?>\r\n|\n|\r)")
