@@ -8,7 +8,8 @@ records what the build was made from: the sha256 of every ``tracer`` module that
 read for it (the compiled ones and, transitively, every ``tracer`` module they import:
 mypyc bakes in their ``Final`` constants and trusts their declared types), the
 distribution of each third-party package they import (h11: its types are trusted too),
-and the interpreter (version, cache tag, extension suffix). It prints one line: built, up
+and the interpreter (version, cache tag, extension suffix), and the sha256 of each file
+it built (a damaged extension does not fail to import: it crashes the process). It prints one line: built, up
 to date (then it does nothing), or why not; without mypyc, setuptools or a C compiler it
 exits 0 (pure Python is used), when the build fails 1 (and no build is left).
 
@@ -52,7 +53,7 @@ GROUP = "tracer_hot"
 SHARED = GROUP + "__mypyc"  # mypyc's support module of the group (a top-level name)
 PURE_ENV = "TRACER_PURE_PYTHON"
 MANIFEST = "manifest.json"
-FORMAT = 1
+FORMAT = 2  # 2: the built files' sha256 too
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the source tree
 BUILD_DIR = os.path.join(ROOT, "build", "compiled")
@@ -236,8 +237,12 @@ def stale(build_dir: str, root: str) -> str | None:
     for name, dist in manifest.get("packages", {}).items():
         if distribution(name) != dist:
             return f"{name} changed since the build"
+    artifacts = manifest.get("artifacts", {})
     for file in modules.values():
-        if not os.path.exists(os.path.join(build_dir, file)):
+        try:
+            if sha256_file(os.path.join(build_dir, file)) != artifacts.get(file):
+                return f"{file} is not the file that was built"
+        except OSError:
             return f"{file} is missing from the build"
     return None
 
@@ -397,6 +402,9 @@ def _build(root: str, build_dir: str, work_dir: str) -> tuple[bool, str]:
         "format": FORMAT,
         "interpreter": interpreter(),
         "modules": modules,
+        # what was built, checked before it is loaded: a damaged extension (cut short on
+        # a full disk, say) would not fail to import, it would crash the process (SIGBUS)
+        "artifacts": {file: sha256_file(os.path.join(new_dir, file)) for file in modules.values()},
         "sources": before,
         "packages": {name: distribution(name) for name in packages},
     }

@@ -133,6 +133,7 @@ def _fake_build(tmp_path: Path) -> tuple[Path, Path, dict[str, Any]]:
         "format": compiled.FORMAT,
         "interpreter": compiled.interpreter(),
         "modules": modules,
+        "artifacts": {rel: compiled.sha256_file(str(build / rel)) for rel in modules.values()},
         "sources": sources,
         "packages": {"h11": compiled.distribution("h11")},
     }
@@ -158,6 +159,11 @@ def test_what_makes_a_build_stale(tmp_path: Path) -> None:
     h11 = {"h11": "h11-0.0.1.dist-info"}
     assert _stale_with(build, root, manifest, packages=h11) == "h11 changed since the build"
     (build / compiled.MANIFEST).write_text(json.dumps(manifest))
+    damaged = manifest["modules"]["tracer.observe.wire"]
+    (build / damaged).write_bytes(b"\x7fELF")  # (a cut extension crashes the import)
+    assert compiled.stale(str(build), str(root)) == f"{damaged} is not the file that was built"
+    (build / damaged).write_bytes(b"")
+    assert compiled.stale(str(build), str(root)) is None
     (build / manifest["modules"][compiled.SHARED]).unlink()
     assert compiled.stale(str(build), str(root)) == (
         f"{manifest['modules'][compiled.SHARED]} is missing from the build"
