@@ -279,11 +279,12 @@ async def _tokens_per_step_at(concurrency: int) -> float:
             async with anyio.create_task_group() as tg:
                 for _ in range(concurrency):
                     tg.start_soon(_stream_client, client, engine.url, 30, [], counts)
-                while len(counts) < concurrency:
-                    m = await scrape(client, engine)
-                    if m["sglang:gen_throughput"] > 0:
-                        samples.append(m["sglang:gen_throughput"])
-                    await anyio.sleep(0.02)
+                with anyio.fail_after(30):
+                    while len(counts) < concurrency:
+                        m = await scrape(client, engine)
+                        if m["sglang:gen_throughput"] > 0:
+                            samples.append(m["sglang:gen_throughput"])
+                        await anyio.sleep(0.02)
         step = hist.sum / hist.count
     distinct = sorted(set(samples))
     return distinct[len(distinct) // 2] * step
@@ -316,17 +317,19 @@ async def test_gauges_lag_like_sglang() -> None:
                 assert live["num_running_reqs"] == 1  # B is done, A runs
                 assert gauge["sglang:num_running_reqs"] == 2.0  # not rewritten yet
                 # the next decode log (every 40 steps) catches up while A still runs
-                while (await scrape(client, engine))["sglang:num_running_reqs"] != 1.0:
-                    assert not counts or len(counts) < 2, "A finished before a decode log"
-                    await anyio.sleep(0.01)
+                with anyio.fail_after(10):
+                    while (await scrape(client, engine))["sglang:num_running_reqs"] != 1.0:
+                        assert not counts or len(counts) < 2, "A finished before a decode log"
+                        await anyio.sleep(0.01)
                 assert len(counts) == 1
             finished = time.monotonic()
             live = await loads(client, engine)
             gauge = await scrape(client, engine)
             assert live["num_running_reqs"] == 0
             assert gauge["sglang:num_running_reqs"] == 1.0  # stale until the idle refresh
-            while (await scrape(client, engine))["sglang:num_running_reqs"] != 0.0:
-                await anyio.sleep(0.02)
+            with anyio.fail_after(10):
+                while (await scrape(client, engine))["sglang:num_running_reqs"] != 0.0:
+                    await anyio.sleep(0.02)
             lag = time.monotonic() - finished
     assert 0.2 < lag < 1.5, lag
 
