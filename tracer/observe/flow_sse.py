@@ -6,11 +6,10 @@ when it is written)."""
 from __future__ import annotations
 
 import logging
-import re
 from itertools import repeat
 from typing import Any
 
-from ..protocol.sse import SseEvent, SseSplitter, classify
+from ..protocol.sse import SseEvent, SseSplitter, classify, content_shape, fits_shape
 from .exchange import ResponseState, count_sse
 
 log = logging.getLogger("tracer.observe.flows")
@@ -38,37 +37,18 @@ class ContentShape:
 
     def learn(self, event: bytes, sse: SseEvent) -> None:
         """``event``: one whole event (its blank line included), ``sse``: its class."""
-        if (
-            sse.kind != "content"
-            or sse.usage is not None
-            or sse.error is not None
-            or event.count(b"\n") != 2
-            or b"\r" in event
-            # a usage object whose JSON did not parse here (a text ending in a backslash
-            # breaks it) parses in a chunk of the same shape with another text
-            or _USAGE_OBJECT.search(event) is not None
-        ):
-            return
-        start = event.find(b'"content":"') + 11
-        end = event.find(b'"', start)
-        if start < 11 or end <= start or event[end + 1 : end + 2] not in (b",", b"}"):
+        shape = content_shape(event) if sse.kind == "content" else None
+        if shape is None:
             return
         # the event's only LFs are its last two bytes (it ends with its blank line): the
         # suffix holds both, and neither part holds a CR
-        self.prefix, self.suffix = event[:start], event[end:]
-        self.prefix_len, self.suffix_len = start, len(event) - end
+        self.prefix, self.suffix = shape
+        self.prefix_len, self.suffix_len = len(self.prefix), len(self.suffix)
         self.quotes = self.prefix.count(b'"') + self.suffix.count(b'"')
 
     def fits(self, piece: bytes) -> bool:
         """Whether ``piece`` is one plain content chunk of this shape."""
-        start = self.prefix_len
-        end = len(piece) - self.suffix_len
-        return (
-            0 < start < end
-            and piece.startswith(self.prefix)
-            and piece.endswith(self.suffix)
-            and _NOT_IN_TEXT.search(piece, start, end) is None
-        )
+        return fits_shape(piece, self.prefix, self.suffix)
 
     def all_fit(self, pieces: list[bytes]) -> bool:
         """``fits`` for every piece, at C speed: each piece begins with the prefix, ends
@@ -87,10 +67,6 @@ class ContentShape:
             and joined.count(b"\n") == 2 * n
             and joined.find(b"\r") < 0
         )
-
-
-_NOT_IN_TEXT = re.compile(rb'["\r\n]')
-_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')  # (a chunk no shape is learned from)
 
 
 class SseObserver:

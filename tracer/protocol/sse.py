@@ -222,51 +222,15 @@ class SseSplitter:
         return events
 
     def _plain(self, data: bytes) -> bool:
-        """Whether ``data`` is one plain content chunk of the stream's shape (``_learn``):
-        the shape's prefix, a text of at least a byte without ``"``, CR or LF, its suffix."""
-        prefix, suffix = self._prefix, self._suffix
-        at = len(prefix)
-        end = len(data) - len(suffix)
-        if not (0 < at < end and data.startswith(prefix) and data.endswith(suffix)):
-            return False
-        if end - at > 8:
-            return _NOT_IN_TEXT.search(data, at, end) is None
-        while at < end:  # a token or two: byte by byte costs less than a search, compiled
-            byte = data[at]
-            if byte == 34 or byte == 13 or byte == 10:  # '"', CR, LF
-                return False
-            at += 1
-        return True
+        """Whether ``data`` is one plain content chunk of the stream's shape (``_learn``)."""
+        return fits_shape(data, self._prefix, self._suffix)
 
     def _learn(self, event: bytes, sse: SseEvent) -> None:
         """Learn the shape of plain content chunks from ``event``, one whole event as one
-        piece (its blank line included, no CR) that ``_classify`` called ``content`` (no
-        finish_reason, usage or error): the bytes up to the text of its ``"content":"``
-        (the prefix) and from the quote that ends it (the suffix).
-
-        Any event made of the prefix, a text without ``"``, CR or LF, and the suffix is
-        then that event, classified alike (``tests/unit/test_compiled.py`` holds it to
-        ``classify``): it is one data line, whose payload starts in the prefix (so do the
-        ``[DONE]``, ``{`` and error checks); no key can start in the text (no quote), and
-        none that starts in the prefix reaches into it (the prefix ends with the
-        ``"content":"`` whose value the text is; the text is not empty and starts with no
-        quote, so that key counts it as content); none can start at the closing quote (a
-        ``,`` or ``}`` follows it), so the keys of the suffix are the same ones, found
-        after the same matches. And no ``"usage"`` with an object for its value, whose JSON
-        (parsed) the text could change; ``"usage":null`` (every chunk of most engines) is
-        the same in every event of the shape, and gives no usage."""
-        if (
-            event.count(b"\n") != 2
-            or not event.endswith(b"\n\n")
-            or _USAGE_OBJECT.search(event) is not None
-        ):
-            return
-        start = event.find(b'"content":"') + 11
-        end = event.find(b'"', start)
-        if start < 11 or end <= start or event[end + 1 : end + 2] not in (b",", b"}"):
-            return
-        self._prefix = event[:start]
-        self._suffix = event[end:]
+        piece that ``_classify`` called ``content`` (``content_shape``)."""
+        shape = content_shape(event)
+        if shape is not None:
+            self._prefix, self._suffix = shape
 
     def _split_cr(self, buf: bytes, prev: int, ends: list[int]) -> list[SseEvent]:
         """``feed`` when the bytes have a CR and their positions are wanted."""
@@ -308,6 +272,58 @@ class SseSplitter:
 
 _NOT_IN_TEXT: Final = re.compile(rb'["\r\n]')  # (of a plain content chunk's text)
 _USAGE_OBJECT: Final = re.compile(rb'"usage"\s*:\s*\{')  # (a chunk no shape is learned from)
+
+
+def content_shape(event: bytes) -> tuple[bytes, bytes] | None:
+    """The shape of plain content chunks learned from ``event``, one whole event (its
+    blank line included) that ``classify`` called ``content``: the bytes up to the text of
+    its ``"content":"`` (the prefix) and from the quote that ends it (the suffix); None
+    when no shape may be learned from it. One rule for both shortcuts: the splitter's
+    (``SseSplitter._learn``) and the mitmproxy addon's (``flow_sse.ContentShape``).
+
+    Any event made of the prefix, a text without ``"``, CR or LF, and the suffix
+    (``fits_shape``) is then that event, classified alike (``tests/unit/test_compiled.py``
+    holds it to ``classify``): it is one data line, whose payload starts in the prefix (so
+    do the ``[DONE]``, ``{`` and error checks); no key can start in the text (no quote),
+    and none that starts in the prefix reaches into it (the prefix ends with the
+    ``"content":"`` whose value the text is; the text is not empty and starts with no
+    quote, so that key counts it as content); none can start at the closing quote (a
+    ``,`` or ``}`` follows it), so the keys of the suffix are the same ones, found after
+    the same matches. And no ``"usage"`` with an object for its value, whose JSON
+    (parsed) the text could change (a text ending in a backslash keeps it from parsing in
+    one chunk and not in the next); ``"usage":null`` (every chunk of most engines) is the
+    same in every event of the shape, and gives no usage."""
+    if (
+        event.count(b"\n") != 2
+        or not event.endswith(b"\n\n")
+        or 13 in event  # (a CR: an int, as in ``feed``)
+        or _USAGE_OBJECT.search(event) is not None
+    ):
+        return None
+    start = event.find(b'"content":"') + 11
+    end = event.find(b'"', start)
+    if start < 11 or end <= start or event[end + 1 : end + 2] not in (b",", b"}"):
+        return None
+    return event[:start], event[end:]
+
+
+def fits_shape(data: bytes, prefix: bytes, suffix: bytes) -> bool:
+    """Whether ``data`` is one plain content chunk of the shape (``content_shape``): the
+    prefix, a text of at least a byte without ``"``, CR or LF, the suffix."""
+    at = len(prefix)
+    end = len(data) - len(suffix)
+    if not (0 < at < end and data.startswith(prefix) and data.endswith(suffix)):
+        return False
+    if end - at > 8:
+        return _NOT_IN_TEXT.search(data, at, end) is None
+    while at < end:  # a token or two: byte by byte costs less than a search, compiled
+        byte = data[at]
+        if byte == 34 or byte == 13 or byte == 10:  # '"', CR, LF
+            return False
+        at += 1
+    return True
+
+
 # two line ends (CRLF, LF or CR; a CRLF is one), the blank line that ends an event: a
 # CRLF, a LF or a CR not before a LF, then any line end (a leading literal: scans fast)
 _BLANK: Final = re.compile(rb"\r\n(?>\r\n|\n|\r)|\n(?>\r\n|\n|\r)|\r(?!\n)(?>\r\n|\n|\r)")
