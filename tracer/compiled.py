@@ -48,6 +48,7 @@ HOT = (
     "tracer.observe.wire_requests",
     "tracer.observe.wire",
     "tracer.observe.flow_conn",  # FlowConn and Flow extend exchange's native classes
+    "tracer.proxy.pump",  # the relay's per-read callbacks: call the observer directly
 )
 GROUP = "tracer_hot"
 SHARED = GROUP + "__mypyc"  # mypyc's support module of the group (a top-level name)

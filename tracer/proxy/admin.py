@@ -76,7 +76,6 @@ class _TapCollector:
         yield counter(
             "tracer_connections", "Downstream connections accepted.", stats.connections_total
         )
-        tap.drain()  # the reads forwarded but not yet observed
         in_flight = sum(len(c.obs.in_flight_requests()) for c in tap.live.values())
         yield gauge(
             "tracer_requests_in_flight", "Requests whose response has not ended.", in_flight

@@ -23,6 +23,7 @@ from .. import events as ev
 from ..evidence import topology
 from ..observe.wire import ConnectionObserver, not_http
 from .inject import RequestIdInjector
+from .pump import ClientPump, UpstreamPump
 
 if TYPE_CHECKING:
     from .relay import Tap
@@ -35,10 +36,19 @@ OWN_LIMITS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
 class Connection:
-    """One client connection and its pinned upstream connection, driven by callbacks."""
+    """One client connection and its pinned upstream connection, driven by callbacks.
 
-    def __init__(self, tap: Tap, client: asyncio.Transport) -> None:
+    Its reads, once the upstream is connected, are forwarded and observed by the
+    compiled callbacks of ``proxy/pump.py``; this class does the rest (connecting, the
+    ends, backpressure). A subclass that changes the bytes of a side says so: its reads
+    then go through its ``from_client`` or ``from_upstream``."""
+
+    plain_client = True  # the pumps forward the client's reads unchanged
+    plain_upstream = True  # and the upstream's
+
+    def __init__(self, tap: Tap, client: asyncio.Transport, pump: ClientPump | None = None) -> None:
         self.tap = tap
+        self.pump = pump
         self.id = tap.next_id()
         self.client = client
         self.upstream: asyncio.Transport | None = None
@@ -94,11 +104,11 @@ class Connection:
         if self.upstream is not None:
             if not self.upstream.is_closing():
                 self.upstream.write(data)  # forward first: observing never delays bytes
-            self._observe(self.obs.client_data, data, now)
+            self._observe_client(data, now)
             return
         if self.finished or self.closed_by == "tracer":
             return
-        self._observe(self.obs.client_data, data, now)
+        self._observe_client(data, now)
         self._hold_for_upstream(data)
 
     def _hold_for_upstream(self, data: bytes) -> None:
@@ -114,11 +124,9 @@ class Connection:
             if not self.tap.start_soon(self._connect):
                 self.close_by_tracer("tap stopping")
 
-    def from_upstream(self, data: bytes) -> None:
-        now = time.monotonic()
-        if not self.client.is_closing():
-            self.client.write(data)  # forward first: observing never delays bytes
-        self._observe(self.obs.upstream_data, data, now)
+    def _upstream_protocol(self) -> Any:
+        """The upstream socket's callbacks (compiled)."""
+        return UpstreamPump(self, self.client, self.obs, self.plain_upstream)
 
     async def _connect(self) -> None:
         tap, cfg = self.tap, self.tap.config
@@ -133,7 +141,7 @@ class Connection:
         try:
             with anyio.fail_after(cfg.connect_timeout):
                 transport, _ = await loop.create_connection(
-                    lambda: _UpstreamSide(self), cfg.upstream_host, cfg.upstream_port
+                    self._upstream_protocol, cfg.upstream_host, cfg.upstream_port
                 )
         except (OSError, TimeoutError) as exc:
             done = time.monotonic()
@@ -193,6 +201,8 @@ class Connection:
         held, self.held = self.held, []
         for data in held:
             transport.write(data)
+        if self.plain_client and self.pump is not None:  # the client's reads: the pump's from now
+            self.pump.connected(transport, self.obs)
         if self.client_eof:
             transport.write_eof()
         else:
@@ -280,7 +290,6 @@ class Connection:
             f"x-tracer: {self.tap.config.name}\r\n\r\n"
         ).encode()
         self._first("tracer", "tracer")
-        self.tap.drain()
         try:
             detail = body.strip().removeprefix("tracer: ")
             self.obs.tracer_response(time.monotonic(), status, reason, detail)
@@ -297,7 +306,6 @@ class Connection:
     ) -> None:
         if self.closed_by is not None:
             return
-        self.tap.drain()
         self.closed_by, self.how = side, how
         self.in_flight_at_close = self.obs.in_flight
         if how == "fin" and side != "tracer":
@@ -318,7 +326,6 @@ class Connection:
             return
         self.finished = True
         tap, obs = self.tap, self.obs
-        tap.drain()
         now = time.monotonic()
         if self.closed_by is None:
             self.closed_by, self.how = "tracer", "tracer"
@@ -371,11 +378,18 @@ class Connection:
 
     # ---- guarded observation ------------------------------------------------------
 
-    def _observe(self, fn: Callable[[bytes, float], None], data: bytes, now: float) -> None:
-        self.tap.observe_later(fn, data, now, self.id)  # after the loop's ready callbacks
+    def _observe_client(self, data: bytes, now: float) -> None:
+        """Observe client bytes (already forwarded, or held for the upstream)."""
+        try:
+            self.obs.client_data(data, now)
+        except Exception:
+            self.observer_failed()
+
+    def observer_failed(self) -> None:
+        """An observer raised (called inside its ``except``): logged; forwarding goes on."""
+        log.exception("observer failed; forwarding unchanged", conn=self.id)
 
     def _observe_eof(self, fn: Callable[..., None], now: float, *, reset: bool) -> None:
-        self.tap.drain()  # the bytes before the end first
         try:
             fn(now, reset=reset)
         except Exception:
@@ -389,8 +403,10 @@ class InjectingConnection(Connection):
     this one records the same id and the multi-tap join is exact.
     """
 
-    def __init__(self, tap: Tap, client: asyncio.Transport) -> None:
-        super().__init__(tap, client)
+    plain_client = False  # its client reads are rewritten (``from_client``)
+
+    def __init__(self, tap: Tap, client: asyncio.Transport, pump: ClientPump | None = None) -> None:
+        super().__init__(tap, client, pump)
         self.injector = RequestIdInjector(f"tracer-{tap.config.name}-{self.id}")
         self.client_bytes = 0
 
@@ -430,30 +446,6 @@ class InjectingConnection(Connection):
         if held:
             super().from_client(held)
         super().on_client_eof()
-
-
-class _UpstreamSide(asyncio.Protocol):
-    """Callbacks of the upstream socket of one relay."""
-
-    def __init__(self, relay: Connection) -> None:
-        self.relay = relay
-
-    def data_received(self, data: bytes) -> None:
-        self.relay.from_upstream(data)
-
-    def eof_received(self) -> bool:
-        self.relay.on_upstream_eof()
-        return True
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.relay.upstream is not None:
-            self.relay.on_upstream_lost(exc)
-
-    def pause_writing(self) -> None:
-        self.relay.upstream_write_paused()
-
-    def resume_writing(self) -> None:
-        self.relay.upstream_write_resumed()
 
 
 def _nodelay(transport: asyncio.BaseTransport) -> None:

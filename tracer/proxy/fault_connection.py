@@ -29,6 +29,7 @@ from ..faults.plan import (
 )
 
 if TYPE_CHECKING:
+    from .pump import ClientPump
     from .relay import Tap
 
 from .connection import (
@@ -51,9 +52,10 @@ class FaultConnection(Connection):
     """
 
     QUEUE_LIMIT = 1 << 20
+    plain_client = plain_upstream = False  # every byte goes through the faults
 
-    def __init__(self, tap: Tap, client: asyncio.Transport) -> None:
-        super().__init__(tap, client)
+    def __init__(self, tap: Tap, client: asyncio.Transport, pump: ClientPump | None = None) -> None:
+        super().__init__(tap, client, pump)
         assert tap.fault_plan is not None
         self.faults = ConnectionFaults(tap.fault_plan)
         self._queue: deque[Deliver | Hold | Cut | Injected | ArmIdle | Callable[[], None]] = deque()
@@ -151,13 +153,12 @@ class FaultConnection(Connection):
             self._drain()
 
     def _observe(self, fn: Callable[[bytes, float], None], data: bytes, now: float) -> None:
-        """Observed at once, not after the loop's other callbacks (``Tap.observe_later``):
-        a fault's record must follow the records of the bytes it acted on."""
-        self.tap.drain()
+        """Observed when acted on: a fault's record must follow the records of the bytes
+        it acted on."""
         try:
             fn(data, now)
         except Exception:
-            log.exception("observer failed; forwarding unchanged", conn=self.id)
+            self.observer_failed()
 
     # ---- what the faults do ---------------------------------------------------------
 
@@ -199,7 +200,6 @@ class FaultConnection(Connection):
 
     def _idle_close(self, item: ArmIdle) -> None:
         self._idle = None
-        self.tap.drain()
         if self.finished or self.closed_by is not None or self.obs.in_flight or self.faults.busy:
             return
         detail = f"connection closed after {item.fault.seconds:g}s idle"

@@ -9,9 +9,10 @@ per read (which a stream ``receive()``/``send()`` pair pays every time). That is
 keeps the tap's cost per event near nginx's.
 
 Per downstream connection one ``Connection`` (``proxy/connection.py``) pins one upstream
-connection, opened when the
-client's first bytes arrive. Bytes are forwarded as they arrive, unchanged; the observer
-sees the same bytes with their arrival time. FIN is propagated as a half-close, a reset
+connection, opened when the client's first bytes arrive. Bytes are forwarded as they
+arrive, unchanged; the observer then sees the same bytes with their arrival time. Once
+the upstream is connected, a plain relay's reads take the compiled callbacks of
+``proxy/pump.py`` (forward, then observe, no Python frame per read). FIN is propagated as a half-close, a reset
 as a reset; backpressure is propagated by pausing the reading side while the writing
 side's buffer is above its high-water mark (and a client whose buffer stays full is
 "not reading"). Observation errors are caught and logged; they never stop forwarding.
@@ -64,6 +65,7 @@ from ..observe.exchange import tick_interval
 from ..observe.wire import Bodies
 from .connection import Connection, InjectingConnection, _unsent_bytes
 from .fault_connection import FaultConnection, InjectingFaultConnection
+from .pump import ClientPump
 from .stats import TapStats as TapStats
 from .stats import count_event
 
@@ -161,8 +163,6 @@ class Tap:
         self.bound: list[tuple[str, int]] = []
         self._tg: anyio.abc.TaskGroup | None = None
         self.lag_windows = 0  # event-loop lag windows closed (tap_lag records or not)
-        # reads forwarded but not yet observed (``observe_later``), in arrival order
-        self._backlog: list[tuple[Callable[[bytes, float], None], bytes, float, int]] = []
 
     # ---- events -------------------------------------------------------------------
 
@@ -171,39 +171,6 @@ class Tap:
         self.bus.publish(event)
 
     safe_emit = emit  # (the name the poller and probes were given)
-
-    # ---- observation after forwarding ---------------------------------------------
-
-    def observe_later(
-        self, fn: Callable[[bytes, float], None], data: bytes, now: float, conn: int
-    ) -> None:
-        """Observe a read the relay has already forwarded, once the loop has run every
-        other callback that was ready with it.
-
-        An event loop sends what its callbacks write only after all of them have run
-        (uvloop queues small writes until its poll phase ends), so observing inside the
-        forwarding callback made every other ready read wait for this one's observation
-        (about 1 ms added to a first token at 16 paced streams). The reads are observed
-        in the order they came, each with its arrival time; whatever reads or changes an
-        observer's state first calls ``drain``.
-        """
-        backlog = self._backlog
-        backlog.append((fn, data, now, conn))
-        if len(backlog) == 1:
-            try:
-                asyncio.get_running_loop().call_soon(self.drain)
-            except RuntimeError:  # no loop (a relay driven by hand): observe now
-                self.drain()
-
-    def drain(self) -> None:
-        """Observe every read not yet observed (never raises)."""
-        while self._backlog:
-            backlog, self._backlog = self._backlog, []
-            for fn, data, now, conn in backlog:
-                try:
-                    fn(data, now)
-                except Exception:
-                    log.exception("observer failed; forwarding unchanged", conn=conn)
 
     def change_faults(
         self, faults: Sequence[Fault], change: Literal["replace", "add", "clear"]
@@ -273,7 +240,10 @@ class Tap:
         loop = asyncio.get_running_loop()
         try:
             server = await loop.create_server(
-                lambda: _ClientSide(self), cfg.listen_host, cfg.listen_port, backlog=1024
+                self._client_protocol,
+                cfg.listen_host,
+                cfg.listen_port,
+                backlog=1024,
             )
         except OSError as exc:
             raise start_error(
@@ -439,7 +409,6 @@ class Tap:
     def _tick(self, now: float, stall_after: float, idle_timeout: float | None) -> None:
         """The stall, idle and header-timeout checks of every live connection, once a tick."""
         header_timeout = self.config.header_timeout
-        self.drain()
         for relay in list(self.live.values()):
             obs = relay.obs
             obs.flush(now)
@@ -465,6 +434,27 @@ class Tap:
 
     # ---- live status --------------------------------------------------------------
 
+    def _client_protocol(self) -> asyncio.BaseProtocol:
+        # (a Protocol by its methods: compiled classes cannot extend asyncio's)
+        return cast(asyncio.BaseProtocol, ClientPump(self.accept))
+
+    def accept(self, transport: asyncio.Transport, pump: ClientPump) -> Connection | None:
+        """A client connected (``ClientPump.connection_made``): its relay, of the kind the
+        tap's options ask for, or None when it is turned away."""
+        if self.stopping:
+            transport.abort()
+            return None
+        limit = self.config.max_connections
+        if limit and self.stats.connections_open >= limit:
+            self.refuse(transport)
+            return None
+        inject = self.config.inject_request_id
+        if self.fault_plan is not None:
+            kind: type[Connection] = InjectingFaultConnection if inject else FaultConnection
+        else:
+            kind = InjectingConnection if inject else Connection
+        return kind(self, transport, pump)
+
     def refuse(self, transport: asyncio.Transport) -> None:
         """A client over ``--max-connections``: the tap's own 503, and a log line (at most
         one a second, with the count refused since)."""
@@ -487,7 +477,6 @@ class Tap:
             )
 
     def status(self) -> dict[str, Any]:
-        self.drain()
         now = time.monotonic()
         conns = []
         for relay in self.live.values():
@@ -521,51 +510,6 @@ class Tap:
                 "bodies_over": self.body_budget.exceeded,
             },
         }
-
-
-class _ClientSide(asyncio.Protocol):
-    """Callbacks of the accepted (downstream) socket."""
-
-    def __init__(self, tap: Tap) -> None:
-        self.tap = tap
-        self.relay: Connection | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        if self.tap.stopping:
-            transport.abort()
-            return
-        limit = self.tap.config.max_connections
-        if limit and self.tap.stats.connections_open >= limit:
-            self.tap.refuse(transport)
-            return
-        inject = self.tap.config.inject_request_id
-        if self.tap.fault_plan is not None:
-            kind: type[Connection] = InjectingFaultConnection if inject else FaultConnection
-        else:
-            kind = InjectingConnection if inject else Connection
-        self.relay = kind(self.tap, transport)
-
-    def data_received(self, data: bytes) -> None:
-        if self.relay is not None:
-            self.relay.from_client(data)
-
-    def eof_received(self) -> bool:
-        if self.relay is not None:
-            self.relay.on_client_eof()
-        return True  # keep the write side open: the response may still be coming
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.relay is not None:
-            self.relay.on_client_lost(exc)
-
-    def pause_writing(self) -> None:
-        if self.relay is not None:
-            self.relay.client_write_paused()
-
-    def resume_writing(self) -> None:
-        if self.relay is not None:
-            self.relay.client_write_resumed()
 
 
 def loop_options() -> dict[str, Any]:
