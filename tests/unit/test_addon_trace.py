@@ -522,7 +522,9 @@ async def test_pieces_reach_the_engine_after_they_went_on(tmp_path: Path) -> Non
         stream(b"")
         addon.response(flow)
     bodies = records(path, "body")
-    assert [len(b["reads"]) for b in bodies] == [full, 2]
+    # (the last two reads in one batch, or in two when a loaded machine took longer
+    # than BODY_BATCH_SECONDS between them)
+    assert [len(b["reads"]) for b in bodies] in ([full, 2], [full, 1, 1])
     assert bodies[1]["sse"][0][1:] == [len(SSE_CHUNKS[2]), "content"]
     end = records(path, "response_end")[0]
     assert (end["events"], end["done"], end["body_bytes"]) == (

@@ -25,6 +25,7 @@ import contextlib
 from collections import deque
 from collections.abc import Callable, Iterable
 from itertools import repeat
+from math import floor
 from typing import Any, Final, Literal, NamedTuple
 
 from .. import events as ev
@@ -392,7 +393,7 @@ class ExchangeTracker[R: ResponseState[Any]]:
         st.sizes.append(size)
         st.chunks.append(chunks)
         if sse:
-            dt = ((m - times[0]) * 1e6 + 0.5) // 1 / 1e6  # as flush_body's, cheaper than round
+            dt = floor((m - times[0]) * 1e6 + 0.5) / 1e6  # as flush_body's
             entries = st.sse_entries
             for event in sse:  # (each entry as ``[dt, *event.as_record()]``)
                 reason = event.finish_reason
@@ -403,6 +404,21 @@ class ExchangeTracker[R: ResponseState[Any]]:
                 count_sse(st, event, m)
         if raw and st.kept is not None:
             st.kept.extend(raw)
+
+    def add_content_read(self, st: R, m: float, size: int) -> None:
+        """``add_read`` of a read that is one data chunk holding one plain content event
+        of ``size`` bytes (``SseSplitter.whole_content``), without the event built: the
+        same entries and counts (``count_sse`` of a content event)."""
+        times = st.times
+        if times and (m - times[0] >= BODY_BATCH_SECONDS or len(times) >= BODY_BATCH_READS):
+            self.flush_body(st)
+        times.append(m)
+        st.sizes.append(size)
+        st.chunks.append(1)
+        st.sse_entries.append([floor((m - times[0]) * 1e6 + 0.5) / 1e6, size, "content"])
+        st.events += 1
+        if st.first_token_m is None:
+            st.first_token_m = m
 
     def add_pieces(self, st: R, times: list[float], pieces: list[bytes | int]) -> None:
         """Body pieces (or their sizes, when not kept) with their arrival times. A batch is
@@ -449,7 +465,7 @@ class ExchangeTracker[R: ResponseState[Any]]:
         before = first
         for i in range(n):
             m = times[i]
-            dts[i] = ((m - first) * 1e6 + 0.5) // 1 / 1e6
+            dts[i] = floor((m - first) * 1e6 + 0.5) / 1e6
             if i == 1 or (i and m - before > gap):
                 gap = m - before
             before = m

@@ -276,6 +276,14 @@ class ConnectionObserver(RequestReader):
                 body = self._body
                 if body is not None:
                     req = self.pending[0]
+                    if raw is None and req.sse is not None and body_req is None:
+                        # a streamed token's read: one chunk, one content event (the
+                        # shortcut gives what the walk below would, without building it)
+                        start = body.whole_chunk(data)
+                        if start and req.sse.whole_content(data[start:-2]):
+                            self._up_offset += len(data)
+                            self.add_content_read(req, m, len(data) - start - 2)
+                            return
                     try:
                         pieces, headers, used = body.feed(data)
                     except FramingError as exc:  # report what came before the bad bytes

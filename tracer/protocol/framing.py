@@ -203,6 +203,28 @@ class BodyDecoder:
                 return pos
         return self._chunked(data, pos, None, parts)
 
+    def whole_chunk(self, data: bytes) -> int:
+        """Where the data of ``data`` starts when ``data`` is exactly one whole data chunk
+        of this chunked body, read at a chunk boundary (hex digits, CRLF, the data,
+        CRLF): a streamed token's read. Its data then ends 2 bytes before ``data`` does,
+        and the decoder is where it was (``feed`` would have given that data as one piece,
+        one chunk begun). Else 0, and ``feed`` is for ``data``."""
+        if self.framing != "chunked" or self._state != _SIZE or self._line or self.done:
+            return 0
+        n = len(data)
+        at, size = _hex(data, 0, min(n, 17))
+        if (
+            0 < at <= 16
+            and size > 0
+            and at + size + 4 == n
+            and data[at] == 13
+            and data[at + 1] == 10
+            and data[n - 2] == 13
+            and data[n - 1] == 10
+        ):
+            return at + 2
+        return 0
+
     def _skip_chunks(self, data: bytes, pos: int) -> int:
         """Whole data chunks from ``data[pos:]``, a few byte operations each; stops at
         anything else (a chunk cut by the read's end, the last chunk, a malformed line),
