@@ -258,6 +258,7 @@ class ExchangeTracker[R: ResponseState[Any]]:
         self.redact_fields = redact_fields  # --redact-json-field, in kept JSON bodies
         self.seq = 0
         self.pending: deque[R] = deque()  # requests whose response has not ended, in order
+        self.stalls = 0  # stalls started (``start_stall``): while 0, bytes end none
         self.last_end_m = opened_m
         self.last_activity_m = opened_m
 
@@ -589,7 +590,7 @@ class ExchangeTracker[R: ResponseState[Any]]:
         oldest) ends."""
         if m > self.last_activity_m:
             self.last_activity_m = m
-        if self.pending:
+        if self.stalls and self.pending:
             st = self.pending[0]
             if st.stall_start_m is not None:
                 self.end_stall(st, m)
@@ -615,6 +616,7 @@ class ExchangeTracker[R: ResponseState[Any]]:
     ) -> None:
         """The ``stall`` start record: ``st`` silent since ``since``."""
         self.flush_body(st)  # the last bytes before the stall go on record first
+        self.stalls += 1
         st.stall_start_m = since
         st.stall_direction = direction
         self.record(

@@ -16,11 +16,13 @@ injector the client's (``proxy/fault_connection.py``, ``proxy/connection.py``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from time import monotonic
-from typing import Any
+from typing import Any, Final
 
 from ..observe.wire import ConnectionObserver
+
+monotonic: Final = time.monotonic  # (compiled: a C global, not a module dict lookup a read)
 
 
 class UpstreamPump:
@@ -35,6 +37,9 @@ class UpstreamPump:
         self.client = client
         self.obs = obs
         self.plain = plain
+        # the client transport's methods, looked up once (compiled, a call a read each)
+        self.client_write: Callable[[bytes], object] = client.write
+        self.client_closing: Callable[[], bool] = client.is_closing
 
     def connection_made(self, transport: Any) -> None:
         pass  # (the relay takes the transport from create_connection)
@@ -44,9 +49,8 @@ class UpstreamPump:
             self.relay.from_upstream(data)
             return
         m = monotonic()
-        client = self.client
-        if not client.is_closing():
-            client.write(data)  # forward first: observing never delays bytes
+        if not self.client_closing():
+            self.client_write(data)  # forward first: observing never delays bytes
         try:
             self.obs.upstream_data(data, m)
         except Exception:
@@ -75,27 +79,29 @@ class ClientPump:
     def __init__(self, accept: Callable[[Any, ClientPump], Any]) -> None:
         self.accept = accept
         self.relay: Any = None
-        self.upstream: Any = None  # the plain relay's upstream transport, once connected
         self.obs: ConnectionObserver | None = None
+        # the plain relay's upstream transport's methods, once connected (as UpstreamPump's)
+        self.upstream_write: Callable[[bytes], object] | None = None
+        self.upstream_closing: Callable[[], bool] | None = None
 
     def connected(self, upstream: Any, obs: ConnectionObserver) -> None:
         """The plain relay's upstream is there: its client reads are this pump's now."""
-        self.upstream = upstream
         self.obs = obs
+        self.upstream_write = upstream.write
+        self.upstream_closing = upstream.is_closing
 
     def connection_made(self, transport: Any) -> None:
         self.relay = self.accept(transport, self)
 
     def data_received(self, data: bytes) -> None:
-        upstream = self.upstream
-        obs = self.obs
-        if upstream is None or obs is None:
+        write, closing, obs = self.upstream_write, self.upstream_closing, self.obs
+        if write is None or closing is None or obs is None:
             if self.relay is not None:
                 self.relay.from_client(data)
             return
         m = monotonic()
-        if not upstream.is_closing():
-            upstream.write(data)  # forward first: observing never delays bytes
+        if not closing():
+            write(data)  # forward first: observing never delays bytes
         try:
             obs.client_data(data, m)
         except Exception:
