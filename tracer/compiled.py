@@ -44,6 +44,7 @@ HOT = (
     "tracer.protocol.sse",
     "tracer.protocol.framing",
     "tracer.protocol.head",
+    "tracer.observe.exchange_state",
     "tracer.observe.exchange",
     "tracer.observe.wire_requests",
     "tracer.observe.wire",

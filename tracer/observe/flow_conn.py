@@ -11,7 +11,8 @@ import logging
 from typing import Any, Literal
 
 from ..capture.bodies import RequestBody
-from .exchange import Emit, ExchangeTracker, ResponseState, stall_direction
+from .exchange import Emit, ExchangeTracker
+from .exchange_state import ResponseState, stall_direction
 from .flow_sse import ContentShape, SseObserver, batch_sse
 
 log = logging.getLogger("tracer.observe.flows")

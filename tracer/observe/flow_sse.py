@@ -10,7 +10,7 @@ from itertools import repeat
 from typing import Any
 
 from ..protocol.sse import SseEvent, SseSplitter, classify, content_shape, fits_shape
-from .exchange import ResponseState, count_sse
+from .exchange_state import ResponseState, count_sse
 
 log = logging.getLogger("tracer.observe.flows")
 

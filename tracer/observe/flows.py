@@ -34,7 +34,8 @@ from ..capture.bodies import BodyBudget, RequestBody
 from ..capture.files import CaptureWriter
 from ..redact import redact_headers, redact_target, scrub_text
 from . import facts
-from .exchange import MAX_BODY_KEEP, request_head_facts, response_head_facts
+from .exchange import MAX_BODY_KEEP
+from .exchange_state import request_head_facts, response_head_facts
 from .flow_conn import Cause, Flow, FlowConn, Stream
 from .flow_sse import ContentShape as ContentShape
 from .flow_sse import SseObserver

@@ -68,8 +68,8 @@ from .exchange import (
     Bodies,
     Close,
     Emit,
-    response_head_facts,
 )
+from .exchange_state import response_head_facts
 from .wire_requests import (
     MAX_HEADER_LINES,
     MAX_HELD_BYTES,

@@ -21,7 +21,8 @@ from ..protocol.framing import BodyDecoder, FramingError, request_framing
 from ..protocol.head import QuickHead, quick_request
 from ..protocol.sse import SseSplitter
 from ..redact import redact_headers, redact_target
-from .exchange import Close, ExchangeTracker, ResponseState, request_head_facts
+from .exchange import Close, ExchangeTracker
+from .exchange_state import ResponseState, request_head_facts
 
 MAX_HEADER_LINES: Final = 1024  # a head with more lines is not parsed (observation cost bounded)
 MAX_HELD_BYTES: Final = 1024 * 1024  # client bytes held while a protocol switch is undecided
