@@ -34,6 +34,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def steal_seconds(core: int) -> float:
+    """Time this VM's ``core`` was runnable while the host ran something else (``steal``
+    in /proc/stat), in seconds; 0 where /proc/stat has no such core or column. A proxy on
+    a stolen core is late by that much, and direct, which does not use that core, is not:
+    no process of the VM shows it (``foreign_cpu``)."""
+    name = f"cpu{core}"
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            for line in f:
+                fields = line.split()
+                if fields and fields[0] == name:
+                    return int(fields[8]) / CLK_TCK if len(fields) > 8 else 0.0
+    except (OSError, ValueError):
+        pass
+    return 0.0
+
+
 def foreign_cpu(ours: set[int]) -> dict[int, float]:
     """CPU seconds of every process not in ``ours`` (nor their children): the VM's other load."""
     out: dict[int, float] = {}

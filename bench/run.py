@@ -29,7 +29,16 @@ from typing import Any
 
 from . import peers, profile
 from .loadgen import IdleConns, Probe, run_load, run_wrk, self_cpu
-from .procs import Proc, children, cpu_seconds, foreign_cpu, free_port, spawn, wait_port
+from .procs import (
+    Proc,
+    children,
+    cpu_seconds,
+    foreign_cpu,
+    free_port,
+    spawn,
+    steal_seconds,
+    wait_port,
+)
 from .report import (
     EVENTS_PER_STREAM,
     aggregate,
@@ -178,6 +187,9 @@ async def _measure(
         "loadgen": self_cpu,
         "others": lambda: sum(p.cpu() for p in others),  # idle proxies: must stay ~0
         "foreign": lambda: foreign_cpu(ours),  # everything else on the VM: should be ~0
+        # the host's other guests on our cores (steal): should be ~0 too
+        "steal_proxy": lambda: steal_seconds(peers.PROXY_CORE),
+        "steal_rig": lambda: steal_seconds(RIG_CORE),
         "helpers": lambda: _helpers_cpu(target),
     }
     if mode == "wrk":
@@ -298,6 +310,9 @@ def _line(scen: str, name: str, m: dict[str, Any]) -> str:
         err += f" undrained {m['undrained']}"
     if (m.get("foreign_util") or 0) > 0.05:
         err += f" (other processes on the VM busy {m['foreign_util'] * 100:.0f}%)"
+    stolen = max(m.get("steal_proxy_util") or 0, m.get("steal_rig_util") or 0)
+    if stolen > 0.05:
+        err += f" (the host took up to {stolen * 100:.0f}% of a core: steal)"
     if (m.get("others_util") or 0) > 0.05:
         err += f" (idle proxies busy {m['others_util'] * 100:.0f}%)"
     if m.get("settle_s", 0) > 1:
@@ -576,6 +591,21 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"Other processes on the VM: at most {busiest[0] * 100:.0f}% of a core in a window "
             f"({busiest[1]}, {busiest[2]}); above ~5% the run was disturbed."
+        )
+    stolen = max(
+        (
+            (max(m.get("steal_proxy_util") or 0.0, m.get("steal_rig_util") or 0.0), scen, name)
+            for scen, by_target in result["runs"].items()
+            for name, rounds in by_target.items()
+            for m in rounds
+        ),
+        default=None,
+    )
+    if stolen is not None:
+        print(
+            f"Steal (the host running other guests on this VM's cores): at most "
+            f"{stolen[0] * 100:.0f}% of a core in a window ({stolen[1]}, {stolen[2]}); above "
+            "~5% timings on that core are the host's, not the proxy's."
         )
     if result["skipped"]:
         print("Skipped: " + "; ".join(f"{k}: {v}" for k, v in result["skipped"].items()))
