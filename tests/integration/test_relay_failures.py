@@ -306,3 +306,58 @@ async def test_idle_timeout_is_opt_in_and_spares_requests_in_flight(tmp_path: Pa
     assert end.termination == "complete" and end.events == 2
     close = next(e for e in tap.events() if isinstance(e, ev.ConnClose))
     assert close.closed_by == "tracer" and not close.in_flight
+
+
+def _black_hole() -> tuple[socket.socket, list[socket.socket]]:
+    """A listener on 127.0.0.1 that never accepts, its queue filled: a connect to it gets
+    no answer (the kernel drops the SYN), as to an upstream host that is down."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    fillers = []
+    for _ in range(4):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(listener.getsockname())
+        fillers.append(s)
+    return listener, fillers
+
+
+async def test_an_upstream_that_never_answers_the_connect_gets_502_after_the_timeout(
+    tmp_path: Path,
+) -> None:
+    listener, fillers = _black_hole()
+    try:
+        port = listener.getsockname()[1]
+        async with running_tap(port, tmp_path, connect_timeout=0.5) as tap:
+            async with await anyio.connect_tcp("127.0.0.1", tap.port) as s:
+                await s.send(GET)
+                body, _ = await recv_all(s)
+            await tap.wait_for(ev.ConnClose)
+    finally:
+        for s in (listener, *fillers):
+            s.close()
+    assert body.startswith(b"HTTP/1.1 502 Bad Gateway\r\n") and b"timed out after 0.5s" in body
+    failed = [e for e in tap.events() if isinstance(e, ev.UpstreamConnect) and e.phase == "failed"]
+    assert len(failed) == 1 and failed[0].error == "connect timed out after 0.5s"
+
+
+async def test_stopping_the_tap_ends_the_connects_in_flight(tmp_path: Path) -> None:
+    listener, fillers = _black_hole()
+    try:
+        port = listener.getsockname()[1]
+        async with running_tap(port, tmp_path, connect_timeout=60) as tap:
+            client = await anyio.connect_tcp("127.0.0.1", tap.port)
+            await client.send(GET)
+            await tap.wait_for(ev.UpstreamConnect, phase="start")
+            assert len(tap.tap._connects) == 1
+        await wait_until(lambda: not tap.tap._connects, 5)  # cancelled, not left running
+        with anyio.fail_after(5):
+            body, _ = await recv_all(client)  # and the client's connection is closed
+        await client.aclose()
+    finally:
+        for s in (listener, *fillers):
+            s.close()
+    assert body == b""
+    close = [e for e in tap.events() if isinstance(e, ev.ConnClose)]
+    assert len(close) == 1 and close[0].closed_by == "tracer" and not close[0].upstream_opened

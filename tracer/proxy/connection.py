@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-import anyio
 import structlog
 
 from .. import events as ev
@@ -82,7 +81,6 @@ class Connection:
         self.fin_side: ev.Direction | None = None
         self.fin_at_bytes = (0, 0)
         self.upstream_opened = False
-        _nodelay(client)
         tap.stats.connections_total += 1
         tap.stats.connections_open += 1
         tap.live[self.id] = self
@@ -121,7 +119,7 @@ class Connection:
         if not self.connecting:
             self.connecting = True
             self.client.pause_reading()  # hold at most one read until the upstream is there
-            if not self.tap.start_soon(self._connect):
+            if not self.tap.start_connect(self._connect()):
                 self.close_by_tracer("tap stopping")
 
     def _upstream_protocol(self) -> Any:
@@ -139,7 +137,7 @@ class Connection:
         )
         loop = asyncio.get_running_loop()
         try:
-            with anyio.fail_after(cfg.connect_timeout):
+            async with asyncio.timeout(cfg.connect_timeout):
                 transport, _ = await loop.create_connection(
                     self._upstream_protocol, cfg.upstream_host, cfg.upstream_port
                 )
@@ -182,7 +180,6 @@ class Connection:
         if self.finished or self.client_lost:  # the client went away meanwhile
             transport.abort()
             return
-        _nodelay(transport)
         self.upstream = transport
         self.upstream_lost = False
         self.upstream_opened = True
@@ -446,12 +443,6 @@ class InjectingConnection(Connection):
         if held:
             super().from_client(held)
         super().on_client_eof()
-
-
-def _nodelay(transport: asyncio.BaseTransport) -> None:
-    sock = transport.get_extra_info("socket")
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def _unsent_bytes(transport: asyncio.Transport | None) -> int | None:

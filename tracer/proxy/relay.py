@@ -162,6 +162,7 @@ class Tap:
         self.started_m = time.monotonic()
         self.bound: list[tuple[str, int]] = []
         self._tg: anyio.abc.TaskGroup | None = None
+        self._connects: set[asyncio.Task[None]] = set()  # upstream connects (start_connect)
         self.lag_windows = 0  # event-loop lag windows closed (tap_lag records or not)
 
     # ---- events -------------------------------------------------------------------
@@ -272,6 +273,8 @@ class Tap:
             self._tg = None
             server.close()
             self.stopping = True
+            for task in list(self._connects):
+                task.cancel()
             for relay in list(self.live.values()):
                 relay.shutdown()
 
@@ -282,9 +285,23 @@ class Tap:
             self._tg.cancel_scope.cancel()
 
     def start_soon(self, fn: Callable[[], Coroutine[Any, Any, None]]) -> bool:
+        """Run ``fn`` in the tap's task group (False: the tap is not serving)."""
         if self._tg is None:
             return False
         self._tg.start_soon(fn)
+        return True
+
+    def start_connect(self, connect: Coroutine[Any, Any, None]) -> bool:
+        """Run a relay's upstream connect (False, and the coroutine closed: the tap is not
+        serving). A plain asyncio task, not one of the task group's: a connection costs
+        about 40 µs less (anyio's task handle, cancel scope and events), and ``serve``
+        cancels the ones still running when it stops, as the group did."""
+        if self._tg is None:
+            connect.close()
+            return False
+        task = asyncio.get_running_loop().create_task(connect)
+        self._connects.add(task)
+        task.add_done_callback(self._connects.discard)
         return True
 
     def next_id(self) -> int:
