@@ -1,8 +1,9 @@
 """The inline tap: a transparent relay with an observer beside it.
 
-Structure is anyio (the tap's task group, the stall ticker, upstream connects with a
-deadline, cancellation on stop); the data path is asyncio ``Protocol`` callbacks under
-anyio's asyncio backend. Why: a paced LLM stream is one small read per token, and a
+Structure is anyio (the tap's task group, the stall ticker, the fingerprint,
+cancellation on stop); the data path is asyncio ``Protocol`` callbacks under anyio's
+asyncio backend, and a connection's upstream connect a plain asyncio task with a
+deadline (``Tap.start_connect``: a connection costs less without anyio's bookkeeping). Why: a paced LLM stream is one small read per token, and a
 callback that observes the bytes and writes them to the other transport costs one read
 and one write system call, with no task switch and no re-registration of the socket
 per read (which a stream ``receive()``/``send()`` pair pays every time). That is what
