@@ -676,7 +676,12 @@ async def test_faults_behind_a_recording_tap_are_notes(tmp_path: Path, spec: str
         assert note["requests"] == ["back/1/1"]
         assert "delivery_coalesced" in injected["read_as"]
     alone = await analyze_async(front.capture)  # without the records: the symptom
-    assert alone["verdict"]["party"] != "none"
+    if spec.startswith("coalesce"):
+        assert "delivery_coalesced" in {f["kind"] for f in alone["findings"]}, alone["findings"]
+    # a verdict, unless the front tap was itself starved then (a loaded machine: its
+    # event loop late): a starved tap's timings are a note, not a verdict, by design
+    if not any(isinstance(e, ev.TapLag) for e in front.events()):
+        assert alone["verdict"]["party"] != "none", alone["findings"]
 
 
 async def test_half_open_behind_a_hop_is_matched_by_its_head(tmp_path: Path) -> None:
