@@ -27,6 +27,26 @@ def _div(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
+_PROBES = (
+    "proxy",
+    "upstream",
+    "loadgen",
+    "others",
+    "foreign",
+    "helpers",
+    "steal_proxy",
+    "steal_rig",
+)
+
+
+def _utils(cpu: dict[str, float], w: float) -> dict[str, Any]:
+    """Each probe's CPU seconds (``run._measure``) as a share of a core over the window
+    (``<probe>_util``), and the rig's (upstream + load generator)."""
+    m: dict[str, Any] = {f"{name}_util": _div(cpu.get(name, 0.0), w) for name in _PROBES}
+    m["rig_util"] = (m["upstream_util"] or 0.0) + (m["loadgen_util"] or 0.0)
+    return m
+
+
 def load_metrics(res: LoadResult) -> dict[str, Any]:
     """Metrics of one closed-loop run (plain, stream or paced)."""
     w = res.window
@@ -36,16 +56,8 @@ def load_metrics(res: LoadResult) -> dict[str, Any]:
         "errors": res.errors,
         "drain_s": round(res.drain, 3),
         "undrained": res.undrained,
-        "proxy_util": _div(cpu.get("proxy", 0.0), w),
-        "upstream_util": _div(cpu.get("upstream", 0.0), w),
-        "loadgen_util": _div(cpu.get("loadgen", 0.0), w),
-        "others_util": _div(cpu.get("others", 0.0), w),
-        "foreign_util": _div(cpu.get("foreign", 0.0), w),
-        "helpers_util": _div(cpu.get("helpers", 0.0), w),
-        "steal_proxy_util": _div(cpu.get("steal_proxy", 0.0), w),
-        "steal_rig_util": _div(cpu.get("steal_rig", 0.0), w),
+        **_utils(cpu, w),
     }
-    m["rig_util"] = (m["upstream_util"] or 0.0) + (m["loadgen_util"] or 0.0)
     if res.mode == "plain":
         m.update(
             rps=res.completed / w,
@@ -90,16 +102,8 @@ def wrk_metrics(res: dict[str, Any]) -> dict[str, Any]:
         "lat_p99": lat.get("p99"),
         "cpu_per_req": _div(cpu.get("proxy"), requests),
         "requests": requests,
-        "proxy_util": _div(cpu.get("proxy", 0.0), w),
-        "upstream_util": _div(cpu.get("upstream", 0.0), w),
-        "loadgen_util": _div(cpu.get("loadgen", 0.0), w),
-        "others_util": _div(cpu.get("others", 0.0), w),
-        "foreign_util": _div(cpu.get("foreign", 0.0), w),
-        "helpers_util": _div(cpu.get("helpers", 0.0), w),
-        "steal_proxy_util": _div(cpu.get("steal_proxy", 0.0), w),
-        "steal_rig_util": _div(cpu.get("steal_rig", 0.0), w),
+        **_utils(cpu, w),
     }
-    m["rig_util"] = (m["upstream_util"] or 0.0) + (m["loadgen_util"] or 0.0)
     return m
 
 

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -293,6 +294,26 @@ async def _profile_done(spy: subprocess.Popen[bytes], path: Path, scen: str) -> 
     return {"file": str(path), "samples": samples, "top": rows, "text": text}
 
 
+def _stolen(m: dict[str, Any]) -> float:
+    """The larger share of a core the host took from one of ours in a window (steal)."""
+    return max(m.get("steal_proxy_util") or 0.0, m.get("steal_rig_util") or 0.0)
+
+
+def _worst(
+    result: dict[str, Any], figure: Callable[[dict[str, Any]], float]
+) -> tuple[float, str, str] | None:
+    """The window with the largest ``figure``: (it, scenario, target); None without runs."""
+    return max(
+        (
+            (figure(m), scen, name)
+            for scen, by_target in result["runs"].items()
+            for name, rounds in by_target.items()
+            for m in rounds
+        ),
+        default=None,
+    )
+
+
 def _line(scen: str, name: str, m: dict[str, Any]) -> str:
     if "failed" in m:
         return f"{scen:12} {name:9} FAILED: {m['failed']}"
@@ -310,7 +331,7 @@ def _line(scen: str, name: str, m: dict[str, Any]) -> str:
         err += f" undrained {m['undrained']}"
     if (m.get("foreign_util") or 0) > 0.05:
         err += f" (other processes on the VM busy {m['foreign_util'] * 100:.0f}%)"
-    stolen = max(m.get("steal_proxy_util") or 0, m.get("steal_rig_util") or 0)
+    stolen = _stolen(m)
     if stolen > 0.05:
         err += f" (the host took up to {stolen * 100:.0f}% of a core: steal)"
     if (m.get("others_util") or 0) > 0.05:
@@ -578,29 +599,13 @@ def main(argv: list[str] | None = None) -> int:
         if "text" in prof:
             print()
             print(prof["text"])
-    busiest = max(
-        (
-            (m.get("foreign_util") or 0.0, scen, name)
-            for scen, by_target in result["runs"].items()
-            for name, rounds in by_target.items()
-            for m in rounds
-        ),
-        default=None,
-    )
+    busiest = _worst(result, lambda m: m.get("foreign_util") or 0.0)
     if busiest is not None:
         print(
             f"Other processes on the VM: at most {busiest[0] * 100:.0f}% of a core in a window "
             f"({busiest[1]}, {busiest[2]}); above ~5% the run was disturbed."
         )
-    stolen = max(
-        (
-            (max(m.get("steal_proxy_util") or 0.0, m.get("steal_rig_util") or 0.0), scen, name)
-            for scen, by_target in result["runs"].items()
-            for name, rounds in by_target.items()
-            for m in rounds
-        ),
-        default=None,
-    )
+    stolen = _worst(result, _stolen)
     if stolen is not None:
         print(
             f"Steal (the host running other guests on this VM's cores): at most "

@@ -53,6 +53,12 @@ MAX_KEPT_BYTES: Final = 1 << 20
 BIG_PIECE: Final = 4096
 
 
+def _round6(seconds: float) -> float:
+    """``round(seconds, 6)`` for the offsets of a body record, the cheaper way (the
+    same for these non-negative times)."""
+    return floor(seconds * 1e6 + 0.5) / 1e6
+
+
 def tick_interval(stall_after: float) -> float:
     """How often a tap looks for stalls and old body batches: often enough for a stall
     to be seen within a quarter of ``stall_after``, never busier than 20 times a second."""
@@ -219,14 +225,8 @@ class ExchangeTracker[R: ResponseState[Any]]:
     ) -> None:
         """One read of body bytes at ``m``: ``size`` body bytes, ``chunks`` data chunks
         begun, the SSE events it completed (counted here) and its bytes when kept."""
-        times = st.times
-        if times and (m - times[0] >= BODY_BATCH_SECONDS or len(times) >= BODY_BATCH_READS):
-            self.flush_body(st)
-        times.append(m)
-        st.sizes.append(size)
-        st.chunks.append(chunks)
+        dt = self._batch_read(st, m, size, chunks)
         if sse:
-            dt = floor((m - times[0]) * 1e6 + 0.5) / 1e6  # as flush_body's
             entries = st.sse_entries
             for event in sse:  # (each entry as ``[dt, *event.as_record()]``)
                 reason = event.finish_reason
@@ -242,16 +242,22 @@ class ExchangeTracker[R: ResponseState[Any]]:
         """``add_read`` of a read that is one data chunk holding one plain content event
         of ``size`` bytes (``SseSplitter.whole_content``), without the event built: the
         same entries and counts (``count_sse`` of a content event)."""
+        dt = self._batch_read(st, m, size, 1)  # (first: writing the batch renews the list)
+        st.sse_entries.append([dt, size, "content"])
+        st.events += 1
+        if st.first_token_m is None:
+            st.first_token_m = m
+
+    def _batch_read(self, st: R, m: float, size: int, chunks: int) -> float:
+        """Add a read to the batch (the batch written first when it is due); returns the
+        read's offset from the batch's first, as the record has it."""
         times = st.times
         if times and (m - times[0] >= BODY_BATCH_SECONDS or len(times) >= BODY_BATCH_READS):
             self.flush_body(st)
         times.append(m)
         st.sizes.append(size)
-        st.chunks.append(1)
-        st.sse_entries.append([floor((m - times[0]) * 1e6 + 0.5) / 1e6, size, "content"])
-        st.events += 1
-        if st.first_token_m is None:
-            st.first_token_m = m
+        st.chunks.append(chunks)
+        return _round6(m - times[0])
 
     def add_pieces(self, st: R, times: list[float], pieces: list[bytes | int]) -> None:
         """Body pieces (or their sizes, when not kept) with their arrival times. A batch is
@@ -289,7 +295,7 @@ class ExchangeTracker[R: ResponseState[Any]]:
         first, last = times[0], times[-1]
         sizes, chunks = st.sizes, st.chunks
         # in one pass (plain loops: compiled, they are what costs least): each read's
-        # offset from the first, round(…, 6) the cheaper way; the longest gap between two
+        # offset from the first; the longest gap between two
         # reads within the batch (max() of the differences: the first of them, then
         # any greater one); the bytes and the data chunks
         dts = [0.0] * n
@@ -298,7 +304,7 @@ class ExchangeTracker[R: ResponseState[Any]]:
         before = first
         for i in range(n):
             m = times[i]
-            dts[i] = floor((m - first) * 1e6 + 0.5) / 1e6
+            dts[i] = _round6(m - first)
             if i == 1 or (i and m - before > gap):
                 gap = m - before
             before = m

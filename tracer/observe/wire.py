@@ -280,10 +280,12 @@ class ConnectionObserver(RequestReader):
                         # a streamed token's read: one chunk, one content event (the
                         # shortcut gives what the walk below would, without building it)
                         start = body.whole_chunk(data)
-                        if start and req.sse.whole_content(data[start:-2]):
-                            self._up_offset += len(data)
-                            self.add_content_read(req, m, len(data) - start - 2)
-                            return
+                        if start:
+                            payload = data[start:-2]
+                            if req.sse.whole_content(payload):
+                                self._up_offset += len(data)
+                                self.add_content_read(req, m, len(payload))
+                                return
                     try:
                         pieces, headers, used = body.feed(data)
                     except FramingError as exc:  # report what came before the bad bytes

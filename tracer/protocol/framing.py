@@ -62,6 +62,16 @@ def _chunk_size(buf: bytes, start: int, stop: int) -> int | None:
     return int(size_field, 16) if _HEX.fullmatch(size_field) else None
 
 
+def _size_line(buf: bytes, pos: int, end: int) -> tuple[int, int]:
+    """The usual chunk-size line at ``pos`` (hex digits, then CRLF, before ``end``), read
+    in place: (where its CRLF is, the size); (-1, 0) when it is not that (an extension,
+    a cut line, a malformed one: ``_chunk_size`` reads those)."""
+    at, value = _hex(buf, pos, min(end, pos + 17))
+    if pos < at <= pos + 16 and at + 1 < end and buf[at] == 13 and buf[at + 1] == 10:
+        return at, value
+    return -1, 0
+
+
 def _hex(buf: bytes, at: int, stop: int) -> tuple[int, int]:
     """The hex digits from ``at`` (before ``stop``): (where they end, their value)."""
     value = 0
@@ -212,17 +222,9 @@ class BodyDecoder:
         if self.framing != "chunked" or self._state != _SIZE or self._line or self.done:
             return 0
         n = len(data)
-        at, size = _hex(data, 0, min(n, 17))
-        if (
-            0 < at <= 16
-            and size > 0
-            and at + size + 4 == n
-            and data[at] == 13
-            and data[at + 1] == 10
-            and data[n - 2] == 13
-            and data[n - 1] == 10
-        ):
-            return at + 2
+        nl, size = _size_line(data, 0, n)
+        if nl > 0 and size and nl + size + 4 == n and data[n - 2] == 13 and data[n - 1] == 10:
+            return nl + 2
         return 0
 
     def _skip_chunks(self, data: bytes, pos: int) -> int:
@@ -301,11 +303,8 @@ class BodyDecoder:
                 continue
             nl = -1
             size: int | None = None
-            if state == _SIZE:  # the usual size line (hex digits, CRLF): read in place
-                at, value = _hex(buf, pos, min(end, pos + 17))
-                if pos < at <= pos + 16 and at + 1 < end and buf[at] == 13 and buf[at + 1] == 10:
-                    nl = at
-                    size = value
+            if state == _SIZE:
+                nl, size = _size_line(buf, pos, end)
             if nl < 0:
                 nl = buf.find(b"\r\n", pos)
                 if nl < 0:

@@ -180,11 +180,11 @@ class SseSplitter:
 
     def feed(self, data: bytes, ends: list[int] | None = None) -> list[SseEvent]:
         """The events ``data`` completes; ``ends``, when given, gets where each ends."""
-        prev = len(self._buf)
-        if not prev and self._plain(data):  # (nothing held: then nothing skipped either)
+        if self.whole_content(data):  # (nothing held: then nothing skipped either)
             if ends is not None:
                 ends.append(len(data))
             return [SseEvent(len(data), "content", True)]
+        prev = len(self._buf)
         buf = self._buf + data if prev else data
         if 13 in buf:  # a CR (an int: a bytes operand would cost an exception here)
             if ends is not None:
@@ -278,8 +278,6 @@ class SseSplitter:
 
 
 _USAGE_OBJECT: Final = re.compile(rb'"usage"\s*:\s*\{')  # (a chunk no shape is learned from)
-
-
 _NOT_IN_TEXT: Final = re.compile(rb'["\r\n]')  # (of a plain content chunk's text)
 
 

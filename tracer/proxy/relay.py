@@ -3,20 +3,21 @@
 Structure is anyio (the tap's task group, the stall ticker, the fingerprint,
 cancellation on stop); the data path is asyncio ``Protocol`` callbacks under anyio's
 asyncio backend, and a connection's upstream connect a plain asyncio task with a
-deadline (``Tap.start_connect``: a connection costs less without anyio's bookkeeping). Why: a paced LLM stream is one small read per token, and a
-callback that observes the bytes and writes them to the other transport costs one read
-and one write system call, with no task switch and no re-registration of the socket
-per read (which a stream ``receive()``/``send()`` pair pays every time). That is what
-keeps the tap's cost per event near nginx's.
+deadline (``Tap.start_connect``: a connection costs less without anyio's bookkeeping).
+Why: a paced LLM stream is one small read per token, and a callback that observes the
+bytes and writes them to the other transport costs one read and one write system call,
+with no task switch and no re-registration of the socket per read (which a stream
+``receive()``/``send()`` pair pays every time). That is what keeps the tap's cost per
+event near nginx's.
 
 Per downstream connection one ``Connection`` (``proxy/connection.py``) pins one upstream
 connection, opened when the client's first bytes arrive. Bytes are forwarded as they
 arrive, unchanged; the observer then sees the same bytes with their arrival time. Once
 the upstream is connected, a plain relay's reads take the compiled callbacks of
-``proxy/pump.py`` (forward, then observe, no Python frame per read). FIN is propagated as a half-close, a reset
-as a reset; backpressure is propagated by pausing the reading side while the writing
-side's buffer is above its high-water mark (and a client whose buffer stays full is
-"not reading"). Observation errors are caught and logged; they never stop forwarding.
+``proxy/pump.py`` (forward, then observe, no Python frame per read). FIN is propagated
+as a half-close, a reset as a reset; backpressure is propagated by pausing the reading
+side while the writing side's buffer is above its high-water mark (and a client whose
+buffer stays full is "not reading"). Observation errors are caught and logged; they never stop forwarding.
 
 The tap answers by itself only where it must: 502 when the upstream cannot be reached,
 400 when the client's first bytes are not HTTP/1.x at all (a TLS handshake or an HTTP/2
