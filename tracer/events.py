@@ -324,6 +324,7 @@ class RequestEnd(Event):
     stream: bool | None = None
     max_tokens: int | None = None
     messages: int | None = None
+    prompt_chars: int | None = None  # characters of the messages' (or prompt's) text
     # what it asks, canonical: what joins it across a hop that re-writes bodies (bodies.py)
     content_sha256: str | None = None
 

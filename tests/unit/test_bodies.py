@@ -70,7 +70,13 @@ def test_the_reader_derives_and_a_live_sink_can_too(tmp_path: Path) -> None:
     assert read[0].body_sha256 == hashlib.sha256(BODY).hexdigest() and read[0].model == "m"
     live = ev.RequestEnd(t=1.0, m=1.0, tap="t", conn=1, seq=1, complete=True,
                          body_bytes=len(BODY), body=text, body_encoding=enc, body_kept=True)  # fmt: skip
-    assert request_fields(live) == {"model": "m", "stream": True, "max_tokens": 7, "messages": 1}
+    assert request_fields(live) == {
+        "model": "m",
+        "stream": True,
+        "max_tokens": 7,
+        "messages": 1,
+        "prompt_chars": 1,
+    }
     measured = ev.RequestEnd(t=1.0, m=1.0, tap="t", conn=1, seq=1, complete=True,
                              body_bytes=9, body_sha256="b" * 64, model="n")  # fmt: skip
     assert request_fields(measured) == {"model": "n"}

@@ -67,6 +67,10 @@ class Cap:
         headers: list[list[str]] | None = None,
         duration: float | None = None,
         first_event_after: float = 0.0,  # seconds from the response head to the first event
+        body: int = 10,  # request body bytes
+        stream: bool | None = None,  # the request body's "stream"
+        sse: bool = True,  # the response is an event stream
+        done: bool | None = None,  # data: [DONE] came (default: the end is complete)
     ) -> None:
         if conn not in self._opened:
             self._opened.add(conn)
@@ -83,7 +87,16 @@ class Cap:
             headers=headers or [],
             request_id=rid,
         )
-        self._e(ev.RequestEnd, t, conn=conn, seq=seq, complete=True, body_bytes=10, body_sha256="x")
+        self._e(
+            ev.RequestEnd,
+            t,
+            conn=conn,
+            seq=seq,
+            complete=True,
+            body_bytes=body,
+            body_sha256="x",
+            stream=stream,
+        )
         if end is None:
             return
         if ttfb is not None and status:
@@ -97,10 +110,10 @@ class Cap:
                 version="1.1",
                 headers=[],
                 ttfb=ttfb,
-                sse=True,
+                sse=sse,
                 chunked=True,
             )
-            sse = [[i * itl, 100, "content"] for i in range(events)]
+            arrivals = [[i * itl, 100, "content"] for i in range(events)]
             if events:
                 self._e(
                     ev.BodyData,
@@ -109,7 +122,7 @@ class Cap:
                     seq=seq,
                     size=100 * events,
                     reads=[[i * itl, 100, 1] for i in range(events)],
-                    sse=sse,
+                    sse=arrivals if sse else None,
                 )
         done_at = t + (
             duration if duration is not None else (ttfb or 0.0) + first_event_after + events * itl
@@ -124,7 +137,7 @@ class Cap:
             body_bytes=100 * events,
             duration=done_at - t,
             events=events,
-            done=end == "complete",
+            done=end == "complete" if done is None else done,
             first_token=ttfb if events and ttfb is not None else None,
             max_gap=itl if events > 1 else None,
             finish_reason="stop" if end == "complete" and not error else None,
@@ -519,26 +532,34 @@ def test_a_hop_that_times_out_on_a_silent_engine_answers_or_cuts_by_itself() -> 
     assert (answered["kind"], answered["party"]) == ("proxy_error_status", "proxy")
     # 504 at tap front; tap back got no status from upstream: the hop answered it itself
     assert evidence(answered, tap="front", request="front/1/1", status=504)
-    (behind,) = evidence(answered, tap="back", request="back/1/1")
-    assert "status" not in behind["figures"]
+    behind = [
+        e
+        for e in evidence(answered, tap="back", request="back/1/1")
+        if "termination" in e["figures"]
+    ]
+    assert behind and all("status" not in e["figures"] for e in behind)
     assert answered["after_silence"] == "back/1/1"
+    # the silence behind is the hop's context (issue 35), not a second fault: how long tap
+    # back had waited, and what tap back alone would have read it as
+    (waited,) = [e for e in evidence(answered, tap="back") if "waited" in e["figures"]]
+    assert waited["figures"]["waited"] == pytest.approx(1.0, abs=0.01)
+    assert evidence(answered, tap="back", request="back/1/1", context_of="upstream_silent")
+    assert answered["ruled_out"] == []  # the engine's silence came first: not ruled out
     cut = by_request[("front/2/1", "back/2/1")]
     # the hop's read timeout met the silence behind it, which came first
     assert cut["kind"] == "proxy_cut_stream" and cut["after_silence"] == "back/2/1"
     assert cut["ruled_out"] == []  # the engine was silent: not ruled out
-    # the silence behind keeps its own findings; nothing is told from the front alone.
-    # Tap back's upstream is the router (its health URL): no hop between it and the
-    # serving stack, so the silence there is the serving stack's; stopped mid-stream, a
-    # stall (medium: no progress figure), before the first byte a wait it cannot name
-    early, mid = by_request[("back/1/1",)], by_request[("back/2/1",)]
-    assert (early["kind"], early["party"]) == ("upstream_silent", "engine")
+    # mid-stream the silence behind keeps its own finding: tap back's upstream is the
+    # router (its health URL), no hop between it and the serving stack, so a stream that
+    # stopped there is the serving stack's stall (medium: no progress figure). Before the
+    # first byte it is a wait tap back cannot name: the hop's context, above
+    mid = by_request[("back/2/1",)]
     assert (mid["kind"], mid["party"], mid["confidence"]) == (
         "engine_stall_mid_stream",
         "engine",
         "medium",
     )
     assert sorted(by_request) == [
-        ("back/1/1",),
         ("back/2/1",),
         ("front/1/1", "back/1/1"),
         ("front/2/1", "back/2/1"),

@@ -20,21 +20,25 @@ import pytest
 
 from tracer.analysis.summary import Summary
 from tracer.capture.files import read_into
+from tracer.times import parse_time
 
 SCENARIOS = Path(__file__).parent.parent / "data" / "scenarios"
 CASES = sorted(p.parent.name for p in SCENARIOS.glob("*/expect.json"))
 
 
-def analyze(case: Path, captures: list[str]) -> dict[str, Any]:
-    """What ``tracer analyze CAPTURE... --format json`` computes (tracer/present/analyze.py), in-process."""
+def analyze(case: Path, captures: list[str], hang_at: list[str] | None = None) -> dict[str, Any]:
+    """What ``tracer analyze CAPTURE... --format json [--hang-at T ...]`` computes
+    (tracer/present/analyze.py), in-process."""
     with Summary() as summary:
         infos = [read_into(case / name, summary.feed).describe(name) for name in captures]
-        result = summary.result(captures=infos)
+        marks = [parse_time(t, summary.first_t, summary.last_t) for t in hang_at or []]
+        result = summary.result(captures=infos, hang_at=marks)
         return {
             "verdict": dict(result["verdict"]),
             "findings": [dict(f) for f in result["findings"]],
             "requests": len(result["requests"]),
             "chain": result["topology"].get("chain"),
+            "mark_states": result["evidence"]["mark_states"],
         }
 
 
@@ -46,7 +50,7 @@ def brief(findings: list[dict[str, Any]]) -> list[tuple[str, str, str, bool]]:
 def test_scenario(name: str) -> None:
     case = SCENARIOS / name
     expect = json.loads((case / "expect.json").read_text())
-    result = analyze(case, expect["captures"])
+    result = analyze(case, expect["captures"], expect.get("hang_at"))
     verdict, findings = result["verdict"], result["findings"]
     assert result["requests"] > 0
     shown = (verdict, brief(findings))
@@ -76,6 +80,22 @@ def test_scenario(name: str) -> None:
             and bool(f.get("note")) == bool(need.get("note"))
         ]
         assert found, (need, shown)
+    if want["party"] != "none":
+        (chosen,) = [f for f in findings if f["id"] == verdict["finding"]]
+        # one story: no fault finding rules out the verdict's party for its requests
+        assert "contradicted_by" not in verdict, shown
+        for name in expect.get("idle_connections", []):  # the connections that went quiet
+            assert name in chosen["connections"], (name, chosen["connections"])
+        separating = {
+            feature
+            for e in chosen["evidence"]
+            for feature in e["figures"].get("separating", [])
+        }
+        for feature in expect.get("separating", []):  # what set the failed requests apart
+            assert feature in separating, (feature, shown)
+    if expect.get("hang_at"):  # the mark answered: never healthy, every connection's state
+        assert verdict["kind"] != "healthy", shown
+        assert result["mark_states"] and all(m["connections"] for m in result["mark_states"])
     if expect["no_faults"]:
         assert [f for f in findings if not f.get("note")] == [], shown
     for f in findings:  # each a sentence of why, and evidence items with their fields

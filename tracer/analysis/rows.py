@@ -29,6 +29,7 @@ class RequestRow:
     stream: bool | None = None
     max_tokens: int | None = None
     messages: int | None = None
+    prompt_chars: int | None = None
     request_bytes: int | None = None
     request_complete: bool | None = None
     body_kept: bool | None = None

@@ -46,7 +46,7 @@ from .tables import (
     request_order,
 )
 
-SCHEMA = "tracer.analysis/4"
+SCHEMA = "tracer.analysis/5"
 SPILL_ROWS = 4096  # finished rows held in memory before a sorted run goes to disk
 RECENT_ROWS = 1024  # finished rows that late events can still update
 FINISHED_KEYS = 16384  # keys of rows written out, remembered to ignore late events
@@ -221,6 +221,7 @@ class Summary:
                     req.stream = event.stream
                     req.max_tokens = event.max_tokens
                     req.messages = event.messages
+                    req.prompt_chars = event.prompt_chars
                     req.body_sha256 = event.body_sha256
                     req.content_sha256 = event.content_sha256
             case ev.ResponseHead():
@@ -585,6 +586,7 @@ class Summary:
                 "injected_faults": len(self.faults),
                 "fault_plans": sorted(self.fault_plans, key=lambda p: (p["t"], p["tap"])),
                 "marks": marks,
+                "mark_states": evidence.mark_states,
                 "tap_pairs": evidence.tap_pairs,
                 "tap_lags": self.lags,
             },

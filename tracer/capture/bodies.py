@@ -28,7 +28,7 @@ import orjson
 from .. import events as ev
 
 BodyEncoding = Literal["utf-8", "base64"]
-OPENAI_FIELDS = ("model", "stream", "max_tokens", "messages")
+OPENAI_FIELDS = ("model", "stream", "max_tokens", "messages", "prompt_chars")
 # What a request asks, by API: chat, completions, responses / embeddings, SGLang's native
 CONTENT_FIELDS = ("messages", "prompt", "input", "text", "input_ids")
 
@@ -82,10 +82,40 @@ def openai_fields(body: bytes) -> dict[str, Any]:
     messages = obj.get("messages")
     if isinstance(messages, list):
         out["messages"] = len(messages)
+    chars = prompt_chars(obj)
+    if chars is not None:
+        out["prompt_chars"] = chars
     content = content_digest(obj)
     if content is not None:
         out["content_sha256"] = content
     return out
+
+
+def _text_chars(value: Any) -> int:
+    """Characters of text in a message's content: a string, or a list of parts whose
+    ``text`` fields count (an image part counts nothing)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(
+            len(part["text"])
+            for part in value
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        ) + sum(len(part) for part in value if isinstance(part, str))
+    return 0
+
+
+def prompt_chars(obj: dict[str, Any]) -> int | None:
+    """How much text the request asks about: the characters of its messages' contents
+    (chat), or of its ``prompt`` (completions). What the failed requests share against
+    the completed ones reads it (a hop that swallows large prompts)."""
+    messages = obj.get("messages")
+    if isinstance(messages, list):
+        return sum(_text_chars(m.get("content")) for m in messages if isinstance(m, dict))
+    prompt = obj.get("prompt")
+    if prompt is not None:
+        return _text_chars(prompt)
+    return None
 
 
 def content_digest(obj: dict[str, Any]) -> str | None:

@@ -25,6 +25,7 @@ from .signs import (
     first_event_wait,
     hang_window,
     relevant_at_front,
+    silent_failure,
     upstream_silence,
     worth_keeping,
 )
@@ -65,6 +66,8 @@ class Evidence:
     tap_pairs: list[dict[str, Any]] = field(default_factory=list)
     # filled by ``find``: the chain of hops the evidence shows, and why
     topology: dict[str, Any] = field(default_factory=dict)
+    # filled by ``find``: the front tap's connections at each hang mark (``marks``)
+    mark_states: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Context:
@@ -102,8 +105,11 @@ class Context:
         self._serving_conns: set[tuple[str, int]] | None = None  # see upstream_is_serving
         self._together: dict[str, list[tuple[float, str]]] | None = None  # stopped_together
         self._completions: dict[tuple[str, float], bool] = {}
+        self._by_id: dict[str, RequestRow] | None = None  # see row
         # per tap: requests on fresh connections that completed, and that did not
         self.fresh_outcomes: dict[str, tuple[int, int]] = {}
+        # per tap: requests on fresh connections that got nothing back (``silent_failure``)
+        self.fresh_silent: dict[str, int] = defaultdict(int)
         self._scan()
         self.order = self.join.ordered(self.counts)
 
@@ -126,6 +132,8 @@ class Context:
                     ok, bad = self.fresh_outcomes.get(r.tap, (0, 0))
                     complete = r.termination == "complete"
                     self.fresh_outcomes[r.tap] = (ok + complete, bad + (not complete))
+                    if silent_failure(r):
+                        self.fresh_silent[r.tap] += 1
                 if self.marks:
                     self._count_marks(r)
                 wait = first_event_wait(r)
@@ -177,6 +185,12 @@ class Context:
         return rows
 
     # -- queries -----------------------------------------------------------------------
+
+    def row(self, rid: str) -> RequestRow | None:
+        """An interesting row by its id (a finding's requests are among them)."""
+        if self._by_id is None:
+            self._by_id = {r.id: r for r in self.interesting}
+        return self._by_id.get(rid)
 
     def role(self, tap: str) -> str | None:
         """What the tap's upstream is, as declared or fingerprinted (``topology``
@@ -304,9 +318,11 @@ class Context:
 
     def reuse_implicated(self, r: RequestRow, answered: bool) -> bool:
         """Whether the evidence ties a hang to the reuse of its connection: it was on a
-        reused one and fresh connections answered meanwhile, or at its tap only requests
-        on reused connections failed while some on fresh ones completed."""
-        if not r.reused:
+        reused one, no request on a fresh connection at its tap got nothing back (the
+        same failure without reuse: reuse is not what separates them), and fresh
+        connections answered meanwhile, or at its tap only requests on reused
+        connections failed while some on fresh ones completed."""
+        if not r.reused or self.fresh_silent.get(r.tap, 0):
             return False
         if answered:
             return True

@@ -97,6 +97,12 @@ class EngineView:
         )
 
     @property
+    def generating(self) -> bool:
+        """Requests running while the live progress figure moved: the engine was decoding
+        in the window (what a non-streamed request waits on, silent until it is done)."""
+        return self.known and (self.running_max or 0) >= 1 and bool(self.progress)
+
+    @property
     def producing(self) -> bool:
         """Tokens were produced in the window (progress, or requests finishing)."""
         return bool(self.progress) or bool(self.finished)

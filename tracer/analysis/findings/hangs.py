@@ -8,7 +8,9 @@ fresh connections that answered meanwhile, and what the tap's upstream is.
 from __future__ import annotations
 
 from ...wording import counted as counted_words
+from ..rows import RequestRow
 from .context import TOGETHER, Context
+from .engine_view import EngineView
 from .model import EvidenceItem, Finding, RuledOut, finding
 from .quotes import (
     injected_items,
@@ -181,6 +183,11 @@ def analyze_request_hangs(ctx: Context) -> list[Finding]:
         )
         if view.loaded and not mid_stream and answered_late:
             continue  # it was answered, late: queued under load (the load analyzer's note)
+        if not mid_stream and r.stream is False and not r.sse and view.generating:
+            # a non-streamed answer is silent until it is done, by design: with the engine
+            # decoding meanwhile, the silence is a wait, not a request held unanswered
+            out.append(_waited_on_answer(r, evidence, view, start, end))
+            continue
         if mid_stream and serving:
             # its bytes stopped mid-stream with no hop between the tap and the serving stack
             together = ctx.stopped_together(r, start)
@@ -222,7 +229,7 @@ def analyze_request_hangs(ctx: Context) -> list[Finding]:
                 finding(
                     "proxy_held_stream",
                     "proxy",
-                    "Tokens were generated while none reached the tap.",
+                    _held_words(r, start, end, view),
                     [r],
                     evidence,
                     [client_ok],
@@ -276,3 +283,48 @@ def analyze_request_hangs(ctx: Context) -> list[Finding]:
             )
         )
     return out
+
+
+def _held_words(r: RequestRow, start: float, end: float, view: EngineView) -> str:
+    """The held stream's summary, from its own figures: what had reached the tap before
+    the silence (never "none" when events came), how long nothing came, what the engine
+    produced meanwhile."""
+    if r.events == 0:
+        came = "no event reached the tap"
+    elif r.done:
+        came = (
+            f"all {r.events} events and data: [DONE] reached the tap, then nothing: "
+            "the body's end never came"
+        )
+    else:
+        came = f"{counted_words(r.events, 'event')} reached the tap, then nothing"
+    made = (
+        f"decode progress +{view.progress:g} tokens"
+        if view.progress
+        else f"finished-request tokens +{view.finished or 0:g}"
+    )
+    return f"For {end - start:.3g} s {came} while the engine produced tokens ({made})."
+
+
+def _waited_on_answer(
+    r: RequestRow, evidence: list[EvidenceItem], view: EngineView, start: float, end: float
+) -> Finding:
+    """A non-streamed request that got nothing back while the engine decoded: a note (its
+    answer comes whole when it is done), saying who closed it, if someone did."""
+    closed = {
+        "client_abort": f"; the tap's client closed it after {end - start:.3g} s",
+        "truncated": f"; its upstream closed it after {end - start:.3g} s",
+    }.get(r.termination, "")
+    return finding(
+        "answer_in_progress",
+        "engine",
+        f"The request is not streamed: nothing comes back until its answer is done, and "
+        f"the engine was generating meanwhile (running≤{view.running_max}, decode progress "
+        f"+{view.progress:g} tokens){closed}: a wait, not a stall.",
+        [r],
+        evidence,
+        [],
+        "medium",
+        note=True,
+        t=start,
+    )

@@ -1,9 +1,7 @@
-"""What is not a fault: slow first tokens under load, and a hang reported while nothing
-was outstanding.
+"""What is not a fault: slow first tokens under load.
 
-Load is a note with the engine's figures (never a fault, never "cold start"); a
-``--hang-at`` mark with nothing in flight rules the engine out and points at the client
-or a proxy in front.
+Load is a note with the engine's figures (never a fault, never "cold start"). (A
+``--hang-at`` mark is answered in ``marks``.)
 """
 
 from __future__ import annotations
@@ -13,8 +11,8 @@ from collections import defaultdict
 from ...wording import counted
 from ..rows import RequestRow
 from .context import Context
-from .model import EvidenceItem, Finding, RuledOut, finding
-from .quotes import MAX_QUOTED, more_item, req_text, request_item, ts
+from .model import Finding, finding
+from .quotes import MAX_QUOTED, more_item, req_text, request_item
 from .signs import SLOW_FIRST_TOKEN
 
 
@@ -62,67 +60,4 @@ def analyze_load(ctx: Context) -> list[Finding]:
                 t=start,
             )
         )
-    return out
-
-
-def analyze_marks(ctx: Context) -> list[Finding]:
-    """A hang reported at a time when no request was in flight at the front-most tap."""
-    out: list[Finding] = []
-    if not ctx.order:
-        return out
-    front = ctx.order[0]
-    for mark in ctx.e.marks:
-        before, incomplete, in_flight = ctx.mark_stats(front, mark)
-        if in_flight:
-            continue
-        complete = incomplete == 0
-        view = ctx.engine_view(mark - 5.0, mark)
-        evidence = [
-            EvidenceItem(
-                text=f"hang reported at {ts(mark)}: no request in flight at tap {front}",
-                t=mark,
-                tap=front,
-                figures={"in_flight": in_flight},
-            ),
-            EvidenceItem(
-                text=f"{counted(before, 'request')} before it, "
-                + ("all delivered completely" if complete else "not all complete"),
-                t=mark,
-                tap=front,
-                figures={"before": before, "incomplete": incomplete},
-            ),
-        ]
-        if view.known:
-            evidence.append(view.item())
-        ruled = [RuledOut("engine", "nothing was outstanding at the serving side")]
-        if front in ctx.e.client_facing:
-            out.append(
-                finding(
-                    "client_idle_hang",
-                    "client",
-                    "Every response had been delivered and the client sent nothing: the "
-                    "client itself was stuck.",
-                    [],
-                    evidence,
-                    ruled,
-                    "high" if complete else "medium",
-                    t=mark,
-                )
-            )
-        else:
-            out.append(
-                finding(
-                    "idle_at_hang",
-                    "unknown",
-                    "Nothing was outstanding at this tap when the hang was seen: client or a "
-                    "proxy in front of the tap; the engine is ruled out.",
-                    [],
-                    evidence,
-                    ruled,
-                    "medium",
-                    t=mark,
-                    settle=f"place a tap on the client side of the proxy, or, if the harness "
-                    f"talks to tap {front} directly, pass --client-facing {front}",
-                )
-            )
     return out

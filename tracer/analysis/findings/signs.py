@@ -157,6 +157,19 @@ def upstream_silence(r: RequestRow) -> dict[str, Any] | None:
     return next((s for s in r.stalls if s["direction"] == "upstream_silent"), None)
 
 
+def silent_failure(r: RequestRow) -> bool:
+    """The request got nothing back, for long enough to be a hang (a stall was recorded, or
+    it ended after a second or more): the way a hop that holds a request fails it. One that
+    the capture's end cut a moment after it was sent is not one."""
+    return (
+        r.termination != "complete"
+        and r.status is None
+        and r.response_bytes == 0
+        and bool(r.method)
+        and (bool(r.stalls) or (r.end is not None and r.end - r.start >= 1.0))
+    )
+
+
 def multiplexed(r: RequestRow) -> bool:
     """An HTTP/2 (or 3) request: a stream among others, not a keep-alive turn."""
     return r.version is not None and r.version[:1] in ("2", "3")

@@ -259,7 +259,11 @@ def _answered_between(rows: list[RequestRow]) -> Finding | None:
             f"The hop between tap {front.tap} and tap {back.tap} answered {status} itself: {what}.",
             [front, back],
             [request_item(front), outcome_item(front), at_tap_item(back, f"at tap {back.tap}: ")],
-            [RuledOut("engine", f"tap {back.tap} never got a {status} from upstream")],
+            # after a silence behind it the hop's timeout met it: why the answer was slow
+            # is the silence's to say (it is this finding's context), nothing is ruled out
+            []
+            if back.status is None and upstream_silence(back) is not None
+            else [RuledOut("engine", f"tap {back.tap} never got a {status} from upstream")],
             "high",
             settle="if the hop timed out waiting, the findings at tap "
             f"{back.tap} say why the answer was slow; the hop's timeout may be shorter "

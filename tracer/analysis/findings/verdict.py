@@ -12,13 +12,15 @@ from collections.abc import Callable
 from typing import Any
 
 from ...wording import counted
+from .claims import check_claims, one_story
 from .client import analyze_client, analyze_client_connections
 from .context import Context, Evidence
 from .delivery import analyze_delivery, analyze_first_events, analyze_reused_first_events
 from .endings import analyze_upstream_endings
 from .hangs import analyze_request_hangs
 from .injected import injected_by_the_tap
-from .load import analyze_load, analyze_marks
+from .load import analyze_load
+from .marks import analyze_marks
 from .model import EvidenceItem, Finding
 from .quotes import ts
 from .taps import join_taps
@@ -29,7 +31,11 @@ CONFIDENCE = {"high": 0, "medium": 1, "low": 2}
 # nothing went wrong with a request (a port scanner's failed TLS handshake must not
 # hide the stall that hung the harness)
 NO_REQUEST_KINDS = {"client_connection_failed"}
-MARK_KINDS = {"client_idle_hang", "idle_at_hang"}  # findings about a --hang-at mark
+MARK_KINDS = {
+    "client_idle_hang",
+    "idle_at_hang",
+    "moving_at_hang",
+}  # findings about a --hang-at mark
 # findings read from timing statistics alone (bunching): they yield the verdict to hard
 # evidence (a request never seen at the next tap, bytes that stopped, a status)
 TIMING_KINDS = {"delivery_coalesced", "first_event_held"}
@@ -109,8 +115,11 @@ def _grouped(findings: list[Finding]) -> list[Finding]:
         group.requests += [q for q in f.requests if q not in group.requests]
         group.connections = sorted({*group.connections, *f.connections})
         group.grouped = (group.grouped or 1) + 1
-        if len(group.evidence) < GROUP_EVIDENCE:
-            group.evidence += f.evidence[: GROUP_EVIDENCE - len(group.evidence)]
+        for item in f.evidence:
+            if len(group.evidence) >= GROUP_EVIDENCE:
+                break
+            if item not in group.evidence:
+                group.evidence.append(item)
         if f.t is not None and (group.t is None or f.t < group.t):
             group.t = f.t
     return out
@@ -127,7 +136,7 @@ def find(e: Evidence) -> tuple[list[Finding], dict[str, Any]]:
     findings = join_taps(ctx, findings)
     findings = injected_by_the_tap(ctx, findings)
     _discount_starved(ctx, findings)
-    findings = _grouped(findings)
+    findings = check_claims(ctx, _grouped(findings))
     # what the user saw hang: requests that never completed (or stalled), and the marks
     hung = {r.id for r in ctx.interesting if r.termination != "complete" or r.stalls}
     # requests whose silence a finding explains with high confidence (a wedge): a hop's
@@ -172,6 +181,7 @@ def find(e: Evidence) -> tuple[list[Finding], dict[str, Any]]:
         }
     else:
         top = faults[0]
+        contradictions = one_story(findings, top, ctx.order)
         verdict = {
             "party": top.party,
             "kind": top.kind,
@@ -180,4 +190,6 @@ def find(e: Evidence) -> tuple[list[Finding], dict[str, Any]]:
             "confidence": top.confidence,
             "ruled_out": [r.to_json() for r in top.ruled_out],
         }
+        if contradictions:
+            verdict["contradicted_by"] = sorted({c.other.id or "" for c in contradictions})
     return findings, verdict

@@ -1,0 +1,310 @@
+"""What the failed requests share, against the ones that completed (issue 35).
+
+A rule that fires on a pattern ("a reused connection hung") must first ask whether that
+pattern is what tells the failures from the requests that went well. For the requests a
+finding concerns, each request feature — reused or fresh, idle gap before it, position
+on its connection, the connection's age, body bytes, prompt characters, prompt tokens
+(where the engine reported them), ``stream``, ``max_tokens``, model, path, client
+connection — is compared with the same feature of the requests that completed at the
+same tap over the analysed time range. A feature *separates* them when no completed
+request falls in the failed requests' range (numbers) or shares a value with them
+(the rest); ``reused`` separates them one way: every failed request was on a reused
+connection and no request on a fresh one failed.
+
+One pass over the rows answers every finding at once (``contrast_all``): per tap, the
+range of each number and the values of each of the rest over the completed requests
+(values counted up to ``MAX_VALUES`` distinct, connections only those the failed
+requests were on).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...wording import counted
+from ..rows import RequestRow
+from .model import EvidenceItem
+from .signs import silent_failure
+
+MAX_VALUES = 64  # distinct values of a feature kept per tap; past it, it is not told
+MAX_QUOTED = 6  # separating features quoted in a finding's evidence
+
+
+def _kib(n: float) -> str:
+    return f"{n / 1000:.0f} KB" if n >= 10_000 else f"{n:.0f} B"
+
+
+def _secs(n: float) -> str:
+    return f"{n:.2f} s"
+
+
+def _plain(n: float) -> str:
+    return f"{n:g}"
+
+
+@dataclass(frozen=True, slots=True)
+class Number:
+    """A numeric feature: its name, what it is in words, how a value is written."""
+
+    name: str
+    words: str
+    unit: Callable[[float], str]
+
+
+NUMBERS = (
+    Number("request_bytes", "request bodies of", _kib),
+    Number("prompt_chars", "prompts of", lambda n: f"{n:.0f} characters"),
+    Number("prompt_tokens", "prompts of", lambda n: f"{n:.0f} tokens"),
+    Number("max_tokens", "max_tokens", _plain),
+    Number("idle_before", "an idle gap before them of", _secs),
+    Number("seq", "a position on their connection of", _plain),
+    Number("conn_age", "a connection age of", _secs),
+)
+VALUES = ("stream", "model", "target", "connection")
+
+
+def _number(r: RequestRow, name: str, age: float) -> float | None:
+    if name == "conn_age":
+        return age
+    if name == "prompt_tokens":
+        usage = r.usage or {}
+        tokens = usage.get("prompt_tokens")
+        return float(tokens) if isinstance(tokens, int | float) else None
+    if name == "idle_before":
+        return r.idle_before if r.reused else None
+    value = getattr(r, name)
+    return float(value) if isinstance(value, int | float) and value is not None else None
+
+
+def _value(r: RequestRow, name: str) -> Any:
+    if name == "connection":
+        return f"{r.tap}/{r.conn}"
+    return getattr(r, name)
+
+
+@dataclass(slots=True)
+class _Completed:
+    """One tap's completed requests, by feature: ranges and values."""
+
+    count: int = 0
+    fresh_failed: int = 0  # requests on fresh connections that got nothing back
+    lo: dict[str, float] = field(default_factory=dict)
+    hi: dict[str, float] = field(default_factory=dict)
+    seen: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # how many had it
+    values: dict[str, set[Any]] = field(default_factory=lambda: defaultdict(set))
+    overflow: set[str] = field(default_factory=set)  # features with too many values
+    others_on_conns: int = 0  # other requests on the failed requests' connections
+
+    def add(self, r: RequestRow, age: float, conns: set[str]) -> None:
+        self.count += 1
+        for f in NUMBERS:
+            v = _number(r, f.name, age)
+            if v is None:
+                continue
+            self.seen[f.name] += 1
+            self.lo[f.name] = min(self.lo.get(f.name, v), v)
+            self.hi[f.name] = max(self.hi.get(f.name, v), v)
+        for name in VALUES:
+            v = _value(r, name)
+            if name == "connection" and v not in conns:
+                continue  # only whether the failed requests' connections had completions
+            kept = self.values[name]
+            if v in kept or name in self.overflow:
+                continue
+            if len(kept) >= MAX_VALUES:
+                self.overflow.add(name)
+            else:
+                kept.add(v)
+
+
+@dataclass(slots=True, kw_only=True)
+class Separation:
+    """One feature against the completed requests: what the failed had, what the completed
+    had, and whether it separates them."""
+
+    feature: str
+    separates: bool
+    text: str
+    figures: dict[str, Any]
+
+
+@dataclass(slots=True, kw_only=True)
+class Contrast:
+    """What the failed requests of one finding share against the completed ones of their
+    tap: every feature told (``told``), those that separate them (``separating``), and
+    whether reuse is what separates them (``reuse_separates``)."""
+
+    tap: str
+    what: str  # how the failed requests failed, in a word: "hung", "failed"
+    failed: int
+    completed: int
+    reused_failed: int
+    fresh_failed: int  # of the finding's requests, on fresh connections, got nothing back
+    fresh_failed_at_tap: int  # the same over every request at the tap
+    told: list[Separation]
+
+    @property
+    def separating(self) -> list[Separation]:
+        return [s for s in self.told if s.separates]
+
+    @property
+    def reuse_separates(self) -> bool:
+        """Every failed request was on a reused connection, and none on a fresh one at the
+        tap failed (``fresh_failed_at_tap``, counted over all failures, not just these)."""
+        return self.reused_failed == self.failed and self.fresh_failed_at_tap == 0
+
+    def item(self) -> EvidenceItem:
+        """The separating features quoted, with reuse always told (it is the one a team
+        would act on), as one evidence item."""
+        what = self.what
+        parts = [s.text for s in self.separating if s.feature != "reused"][:MAX_QUOTED]
+        reuse = (
+            f"all {self.failed} {what} on reused connections and none on a fresh one failed"
+            if self.reuse_separates
+            else f"{self.reused_failed} of {self.failed} {what} on reused connections, "
+            f"{self.fresh_failed} on fresh ones"
+        )
+        if self.failed == 1:
+            reuse = (
+                "it was on a reused connection and no request on a fresh one failed"
+                if self.reuse_separates
+                else (
+                    "it was on a fresh connection"
+                    if self.fresh_failed
+                    else "it was on a reused connection, and requests on fresh ones failed too"
+                )
+            )
+        head = (
+            f"what the {what} request has"
+            if self.failed == 1
+            else f"what the {self.failed} {what} requests share"
+        ) + f" against the {counted(self.completed, 'completed request')} at tap {self.tap}: "
+        body = "; ".join([*parts, reuse]) if parts else reuse + "; no feature separates them"
+        figures: dict[str, Any] = {
+            "failed": self.failed,
+            "completed": self.completed,
+            "reused_failed": self.reused_failed,
+            "fresh_failed": self.fresh_failed,
+            "reuse_separates": self.reuse_separates,
+            "separating": [s.feature for s in self.separating],
+        }
+        for s in self.separating[: MAX_QUOTED + 1]:
+            figures[s.feature] = s.figures
+        return EvidenceItem(text=head + body, tap=self.tap, figures=figures)
+
+
+def _separate_number(
+    f: Number, failed: list[float], done: _Completed, what: str
+) -> Separation | None:
+    if not failed or done.seen.get(f.name, 0) < 2:
+        return None
+    flo, fhi = min(failed), max(failed)
+    clo, chi = done.lo[f.name], done.hi[f.name]
+    n, m = len(failed), done.seen[f.name]
+    figures = {"failed": [flo, fhi], "completed": [clo, chi]}
+    if flo > chi:
+        text = f"all {n} {what} had {f.words} ≥ {f.unit(flo)}; all {m} completed ≤ {f.unit(chi)}"
+        return Separation(feature=f.name, separates=True, text=text, figures=figures)
+    if fhi < clo:
+        text = f"all {n} {what} had {f.words} ≤ {f.unit(fhi)}; all {m} completed ≥ {f.unit(clo)}"
+        return Separation(feature=f.name, separates=True, text=text, figures=figures)
+    return Separation(feature=f.name, separates=False, text="", figures=figures)
+
+
+def _separate_value(name: str, failed: list[Any], done: _Completed, what: str) -> Separation | None:
+    if not failed or name in done.overflow:
+        return None
+    mine = set(failed)
+    theirs = done.values.get(name, set())
+    figures = {"failed": sorted(map(str, mine)), "completed_share": bool(mine & theirs)}
+    if name == "connection":
+        if not done.others_on_conns:
+            return None  # connections that carried nothing else say nothing
+        separates = not (mine & theirs)
+        text = (
+            f"no request completed on the {counted(len(mine), 'connection')} they were on"
+            if separates
+            else ""
+        )
+        return Separation(feature=name, separates=separates, text=text, figures=figures)
+    if not theirs or done.count < 2:
+        return None
+    separates = not (mine & theirs)
+    shown = ", ".join(sorted(map(str, mine)))
+    words = {"stream": "stream", "model": "model", "target": "path"}[name]
+    text = f"all {len(failed)} {what} had {words} {shown}, which no completed request had"
+    return Separation(
+        feature=name, separates=separates, text=text if separates else "", figures=figures
+    )
+
+
+def contrast_all(
+    requests: Iterable[RequestRow], groups: list[list[RequestRow]], whats: list[str]
+) -> list[Contrast | None]:
+    """For each group of failed requests (all at one tap), its ``Contrast`` against the
+    completed requests of that tap; None for an empty group, or where none completed. One pass over ``requests``
+    (in table order: a connection's requests are consecutive, so its age is read from
+    its first request's start)."""
+    taps = {g[0].tap for g in groups if g}
+    failed_ids = {r.id for g in groups for r in g}
+    conns: dict[str, set[str]] = defaultdict(set)
+    for g in groups:
+        for r in g:
+            conns[r.tap].add(f"{r.tap}/{r.conn}")
+    done: dict[str, _Completed] = defaultdict(_Completed)
+    ages: dict[str, float] = {}
+    first: tuple[str, int, float] | None = None
+    for r in requests:
+        if r.tap not in taps or not r.method:
+            continue
+        if first is None or (first[0], first[1]) != (r.tap, r.conn) or r.seq == 1:
+            first = (r.tap, r.conn, r.start)
+        age = max(0.0, r.start - first[2])
+        if r.id in failed_ids:
+            ages[r.id] = age
+            continue
+        if f"{r.tap}/{r.conn}" in conns[r.tap]:
+            done[r.tap].others_on_conns += 1
+        if r.termination == "complete" and (r.status is None or r.status < 400):
+            done[r.tap].add(r, age, conns[r.tap])
+        elif not r.reused and silent_failure(r):
+            done[r.tap].fresh_failed += 1
+    out: list[Contrast | None] = []
+    for g, what in zip(groups, whats, strict=True):
+        if not g:
+            out.append(None)
+            continue
+        tap = g[0].tap
+        completed = done[tap]
+        if not completed.count:
+            out.append(None)  # nothing completed there to tell them from
+            continue
+        told: list[Separation] = []
+        for f in NUMBERS:
+            values = [v for r in g if (v := _number(r, f.name, ages.get(r.id, 0.0))) is not None]
+            s = _separate_number(f, values, completed, what)
+            if s is not None:
+                told.append(s)
+        for name in VALUES:
+            values = [v for r in g if (v := _value(r, name)) is not None]
+            s = _separate_value(name, values, completed, what)
+            if s is not None:
+                told.append(s)
+        reused = sum(1 for r in g if r.reused)
+        fresh = sum(1 for r in g if not r.reused and silent_failure(r))
+        out.append(
+            Contrast(
+                tap=tap,
+                what=what,
+                failed=len(g),
+                completed=completed.count,
+                reused_failed=reused,
+                fresh_failed=fresh,
+                fresh_failed_at_tap=completed.fresh_failed + fresh,
+                told=told,
+            )
+        )
+    return out
