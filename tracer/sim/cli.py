@@ -25,6 +25,7 @@ the arguments are named (after=N, for=S) and may be given by position (stall:3:1
     reset[:after=N]           the same with RST
     500                       HTTP 500 before any stream
     error[:after=N]           after N chunks: data: {"error": ...}, then data: [DONE]
+    ignore-disconnect         a client that leaves is not noticed: decode on to max_tokens
   defaults: after=1, for=30
   rules after @, joined by commas, on the completion counter (1, 2, 3 ...; none: every one):
     every=N (N, 2N, ...), nth=K (K only), from=K (K and later), times=N (at most N

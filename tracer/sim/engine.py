@@ -418,6 +418,7 @@ class SimEngine:
         )
         stall = fault if fault is not None and fault.kind == "stall" else None
         wedge = fault if fault is not None and fault.kind == "wedge" else None
+        ignore = fault is not None and fault.kind == "ignore-disconnect"
         req = SimRequest(
             rid=ctx.rid,
             prompt_tokens=_prompt_tokens(payload),
@@ -428,6 +429,7 @@ class SimEngine:
             stall_for=stall.seconds if stall else 0.0,
             wedge_after=wedge.after if wedge else None,
             wedge_for=wedge.seconds if wedge else 0.0,
+            ignore_disconnect=ignore,
         )
         cut = fault if fault is not None and fault.kind in ("close", "reset", "error") else None
         self.scheduler.submit(req)
@@ -444,7 +446,8 @@ class SimEngine:
                     outcome = "gone"
                 tg.cancel_scope.cancel()
         finally:
-            self.scheduler.abort(req)  # no-op when it finished
+            if not (ignore and outcome == "gone"):  # ignore-disconnect: it decodes on
+                self.scheduler.abort(req)  # no-op when it finished
             req.receive.close()
         if outcome in ("close", "reset", "gone"):
             raise _Hangup(reset=outcome == "reset")

@@ -25,6 +25,12 @@ position too (``stall:after=3:for=10`` = ``stall:3:10``):
 ``error[:after]``          after ``after`` content chunks, ``data: {"error": {...}}``,
                            ``data: [DONE]`` and a clean end of the chunked body
                            (SGLang's abort)
+``ignore-disconnect``      the request is answered as usual, but a client that goes away
+                           does not abort it: it stays in the running batch and decodes
+                           on to its ``max_tokens`` (counted running, ``realtime_tokens``
+                           moving, finished at the end, never counted aborted), holding
+                           its batch slot meanwhile (vLLM #9428: "Running: 1 reqs"
+                           minutes after the disconnect)
 =========================  =============================================================
 
 Rules (``--fault`` only) on the engine's completion counter (1, 2, 3 ...): ``every=N``
@@ -32,7 +38,7 @@ Rules (``--fault`` only) on the engine's completion counter (1, 2, 3 ...): ``eve
 ``times=N`` (at most N injections), ``prob=P[,seed=S]``; none means every completion.
 The first fault whose rules match wins. ``x-sim-fault`` chooses its own request's fault
 (no rules) and overrides ``--fault``. Examples: ``stall:after=3:for=10@every=5``,
-``lost@nth=2``, ``reset:after=0@from=4``.
+``lost@nth=2``, ``reset:after=0@from=4``, ``ignore-disconnect@nth=1``.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from typing import Any
 
 from ..faults.spec import bind_args, counter_rules, fail, rule_keys, split_spec, to_int, to_seconds
 
-FAULT_KINDS = ("stall", "wedge", "lost", "close", "reset", "500", "error")
+FAULT_KINDS = ("stall", "wedge", "lost", "close", "reset", "500", "error", "ignore-disconnect")
 FAULT_ARGS: dict[str, tuple[str, ...]] = {  # each fault's arguments, in positional order
     "stall": ("after", "for"),
     "wedge": ("after", "for"),
@@ -51,6 +57,7 @@ FAULT_ARGS: dict[str, tuple[str, ...]] = {  # each fault's arguments, in positio
     "reset": ("after",),
     "500": (),
     "error": ("after",),
+    "ignore-disconnect": (),
 }
 FAULT_USAGE = {
     kind: kind + "".join(f"[:{a}={'S' if a == 'for' else 'N'}]" for a in args) + "[@RULE,...]"

@@ -83,6 +83,7 @@ class SimRequest:
     stall_for: float = 0.0
     wedge_after: int | None = None  # after this many tokens, the whole scheduler stops
     wedge_for: float = 0.0
+    ignore_disconnect: bool = False  # a handler that is gone does not abort it
     internal: bool = False  # health probes: not in the tokenizer metrics
     arrival: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
@@ -323,8 +324,10 @@ class Scheduler:
         try:
             req.send.send_nowait(req.generated)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            self.abort(req)  # the handler is gone
-            return
+            if not req.ignore_disconnect:
+                self.abort(req)  # the handler is gone
+                return
+            # (``ignore-disconnect``: nobody reads it any more; it decodes on to the end)
         req.generated += 1
         self._tokens_since_decode_log += 1
         self._realtime_pending["decode"] += 1
