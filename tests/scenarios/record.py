@@ -36,6 +36,7 @@ from typing import Any
 
 import anyio
 import httpx
+import openai
 from anyio.abc import Process
 
 from tracer.sim.harness import HarnessConfig, HarnessReport, run_harness
@@ -71,6 +72,7 @@ class Lab:
     stack: AsyncExitStack
     captures: dict[str, Path] = field(default_factory=dict)  # tap name -> capture
     notes: list[str] = field(default_factory=list)  # what happened, for expect.json
+    found: dict[str, Any] = field(default_factory=dict)  # what a case measured (its Case.after)
     started: float = field(default_factory=time.monotonic)
 
     def say(self, text: str) -> None:
@@ -177,7 +179,9 @@ http {{
         argv = [binary, "-p", str(prefix), "-c", str(prefix / "nginx.conf")]
         return await self.start_http("nginx", argv, f"http://127.0.0.1:{port}", "/health")
 
-    async def haproxy(self, upstream: str, timeout_server: str) -> str:
+    async def haproxy(self, upstream: str, timeout_server: str, rules: str = "") -> str:
+        """haproxy (Debian's) on loopback in front of ``upstream``; ``rules``: more lines
+        of its ``frontend`` section."""
         binary = shutil.which("haproxy") or "/usr/sbin/haproxy"
         port = free_port()
         host, _, up_port = upstream.removeprefix("http://").partition(":")
@@ -190,7 +194,7 @@ defaults
   timeout server {timeout_server}
 frontend fe
   bind 127.0.0.1:{port}
-  default_backend be
+{"".join(f"  {line}{chr(10)}" for line in rules.splitlines())}  default_backend be
 backend be
   server engine {host}:{up_port}
 """
@@ -198,7 +202,8 @@ backend be
         path.write_text(conf)
         done = subprocess.run([binary, "-v"], capture_output=True, text=True)
         version = done.stdout.splitlines()[0] if done.stdout else "haproxy"
-        self.note(f"{version}; mode http, timeout server {timeout_server}, http-reuse default")
+        said = f"{version}; mode http, timeout server {timeout_server}, http-reuse default"
+        self.note(said + "".join(f"; {line}" for line in rules.splitlines()))
         argv = [binary, "-db", "-f", str(path)]
         return await self.start_http("haproxy", argv, f"http://127.0.0.1:{port}", "/health")
 
@@ -236,15 +241,20 @@ async def stream(
     max_tokens: int,
     headers: dict[str, str] | None = None,
     timeout: float | None = None,
+    content: bytes | None = None,
 ) -> dict[str, Any]:
-    """One streaming chat completion with httpx: status, chunk arrival times, outcome."""
+    """One streaming chat completion with httpx: status, chunk arrival times, outcome
+    (``content``: this JSON body instead of CHAT's)."""
     out: dict[str, Any] = {"status": None, "chunks": [], "outcome": "complete"}
     start = time.monotonic()
     body = {**CHAT, "max_tokens": max_tokens}
+    sent: dict[str, Any] = {"json": body} if content is None else {"content": content}
+    if content is not None:
+        headers = {"content-type": "application/json", **(headers or {})}
     with anyio.move_on_after(timeout or 1e9) as scope:
         try:
             async with client.stream(
-                "POST", url + "/v1/chat/completions", json=body, headers=headers or {}
+                "POST", url + "/v1/chat/completions", headers=headers or {}, **sent
             ) as r:
                 out["status"] = r.status_code
                 async for _ in r.aiter_raw():
@@ -261,6 +271,44 @@ def describe(name: str, got: dict[str, Any]) -> str:
     times = got["chunks"]
     spread = f"{len(times)} reads" + (f" from {times[0]:.2f}s to {times[-1]:.2f}s" if times else "")
     return f"{name}: status {got['status']}, {got['outcome']}, {spread}"
+
+
+def chat_body(size: int, max_tokens: int, *, stream: bool = True) -> bytes:
+    """A chat completion's JSON body of about ``size`` bytes: one user message of words."""
+    body: dict[str, Any] = {**CHAT, "max_tokens": max_tokens, "stream": stream}
+    if not stream:
+        del body["stream_options"]
+    empty = len(json.dumps({**body, "messages": [{"role": "user", "content": ""}]}))
+    words = "please review this function and say what it does. " * (size // 50 + 1)
+    body["messages"] = [{"role": "user", "content": words[: max(1, size - empty)]}]
+    return json.dumps(body).encode()
+
+
+async def complete(
+    client: httpx.AsyncClient,
+    url: str,
+    content: bytes,
+    *,
+    headers: dict[str, str] | None = None,
+    timeout: float = 30,
+) -> dict[str, Any]:
+    """One non-streamed chat completion with httpx: status, size and time of the answer."""
+    out: dict[str, Any] = {"status": None, "bytes": 0, "outcome": "complete"}
+    start = time.monotonic()
+    with anyio.move_on_after(timeout) as scope:
+        try:
+            r = await client.post(
+                url + "/v1/chat/completions",
+                content=content,
+                headers={"content-type": "application/json", **(headers or {})},
+            )
+            out["status"], out["bytes"] = r.status_code, len(r.content)
+        except httpx.HTTPError as exc:
+            out["outcome"] = f"error ({type(exc).__name__})"
+    if scope.cancelled_caught:
+        out["outcome"] = f"gave up after {timeout:g}s"
+    out["duration"] = time.monotonic() - start
+    return out
 
 
 # ---- the cases -----------------------------------------------------------------------------
@@ -425,6 +473,221 @@ async def healthy_control(lab: Lab) -> None:
     await lab.harness(url, sessions=2, rounds=3, think=0.2, max_tokens=16, deadline=10)
 
 
+async def nginx_read_timeout_nonstream(lab: Lab) -> None:
+    """tap front -> nginx (HTTP/1.1 upstream, proxy_read_timeout 3s) -> tap back ->
+    engine (50 ms tokens, its decode progress written every 10 steps): two short
+    non-streamed answers, then a non-streamed one of 150 tokens (~7.5 s): the engine
+    decodes it, silent until done, as a non-streamed answer is; nginx answers 504 after
+    3 s without a byte from upstream and closes its upstream connection (the engine then
+    aborts the request)."""
+    engine = await lab.engine("--ttft", "0.05", "--itl", "0.05", "--decode-log-interval", "10")
+    back = await lab.tap("back", engine, "--engine-metrics", f"{engine}/metrics", *FAST)
+    location = 'proxy_http_version 1.1;\nproxy_set_header Connection "";\nproxy_read_timeout 3s;'
+    hop = await lab.nginx(back, "\n".join(f"      {line}" for line in location.split("\n")))
+    front = await lab.tap("front", hop)
+    async with httpx.AsyncClient(timeout=30) as client:
+        for rid, tokens in (("short-1", 10), ("short-2", 10), ("long", 150)):
+            body = chat_body(300, tokens, stream=False)
+            got = await complete(client, front, body, headers={"x-request-id": rid}, timeout=20)
+            lab.note(
+                f"httpx {rid} (stream false, max_tokens {tokens}) at the client: status "
+                f"{got['status']}, {got['outcome']}, {got['bytes']} bytes after {got['duration']:.2f}s"
+            )
+    await anyio.sleep(1.5)  # the engine's figures after the abort
+
+
+LARGE = 64_000  # request bodies haproxy tarpits (Content-Length over 60000)
+
+
+async def hop_swallows_large_bodies(lab: Lab) -> None:
+    """tap front -> haproxy (``http-request tarpit`` for a Content-Length over 60000,
+    timeout tarpit 60s) -> tap back -> engine: 10 streamed requests with bodies of
+    0.3-37 KB on three keep-alive connections (a, b, c) complete; then two with 64 KB
+    bodies, one the 5th request of connection a (reused), one on a fresh connection d,
+    are held by haproxy and never reach tap back, while b and c send two more small
+    ones each, answered; the clients give up on the big ones after 5 s."""
+    engine = await lab.engine("--ttft", "0.05", "--itl", "0.02")
+    back = await lab.tap("back", engine, "--engine-metrics", f"{engine}/metrics", *FAST)
+    rules = "timeout tarpit 60s\nhttp-request tarpit if { req.hdr_val(content-length) gt 60000 }"
+    front = await lab.tap("front", await lab.haproxy(back, "30s", rules))
+    async with AsyncExitStack() as clients:
+        conns: dict[str, httpx.AsyncClient] = {}
+        for name in "abcd":  # one keep-alive connection each
+            one_conn = httpx.Limits(max_connections=1)
+            conns[name] = await clients.enter_async_context(
+                httpx.AsyncClient(timeout=30, limits=one_conn)
+            )
+
+        async def send(name: str, seq: int, size: int, give_up: float = 10) -> None:
+            body = chat_body(size, 8)
+            rid = f"{name}{seq}-{len(body)}B"
+            got = await stream(
+                conns[name],
+                front,
+                max_tokens=8,
+                headers={"x-request-id": rid},
+                timeout=give_up,
+                content=body,
+            )
+            lab.note(describe(f"httpx {rid} (connection {name}, request {seq} on it)", got))
+
+        async def run(name: str, sizes: list[int], first: int = 1, gap: float = 0) -> None:
+            for seq, size in enumerate(sizes, first):
+                await anyio.sleep(gap)
+                await send(name, seq, size)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "a", [300, 5_000, 20_000, 37_000])
+            tg.start_soon(run, "b", [1_000, 12_000, 30_000])
+            tg.start_soon(run, "c", [500, 8_000, 25_000])
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send, "a", 5, LARGE, 5)  # reused: after 4 answered on it
+            tg.start_soon(send, "d", 1, LARGE, 5)  # fresh
+            tg.start_soon(run, "b", [2_000, 37_000], 4, 1.0)
+            tg.start_soon(run, "c", [3_000, 15_000], 4, 1.0)
+    await anyio.sleep(1)
+
+
+async def agents_one_stops(lab: Lab) -> None:
+    """4 agent sessions (the openai SDK, streaming, each its own client and keep-alive
+    connection) through one client-facing tap in front of the engine: agent a4 stops
+    after its 2nd round (it waits on itself; its client stays open) while a1-a3 go on for
+    8 rounds (~9 s); the harness is seen hung when a4 has been idle ~4 s and the others
+    are streaming (hang_at). The engine closes its side of a keep-alive connection idle
+    5 s (uvicorn's default, as SGLang runs it); the tap records a4's connection closed
+    when its client closes it, at the end."""
+    engine = await lab.engine("--ttft", "0.05", "--itl", "0.02")
+    url = await lab.tap(
+        "tap", engine, "--client-facing", "--engine-metrics", f"{engine}/metrics", *FAST
+    )
+    done = anyio.Event()
+    busy: set[int] = set()  # the agents with a request in flight
+
+    async def agent(n: int, rounds: int, stops: bool) -> None:
+        client = openai.AsyncOpenAI(
+            base_url=url + "/v1", api_key="sk-sim-harness", max_retries=0, timeout=30
+        )
+        messages: list[Any] = [{"role": "system", "content": "You are a coding agent."}]
+        try:
+            for rnd in range(1, rounds + 1):
+                if rnd > 1:
+                    await anyio.sleep(0.5)
+                messages.append({"role": "user", "content": f"agent {n} round {rnd}: continue"})
+                text: list[str] = []
+                busy.add(n)
+                with anyio.fail_after(10):
+                    answer = await client.chat.completions.create(
+                        model="sim-model",
+                        messages=messages,
+                        max_tokens=30,
+                        stream=True,
+                        extra_headers={"x-request-id": f"a{n}-r{rnd}"},
+                    )
+                    async for chunk in answer:
+                        text += [c.delta.content for c in chunk.choices if c.delta.content]
+                busy.discard(n)
+                messages.append({"role": "assistant", "content": "".join(text)})
+            lab.note(f"agent a{n}: {rounds} rounds complete")
+            if stops:
+                lab.found["stopped"] = time.time()
+                lab.note(f"agent a{n} stops: it waits on itself, its client left open")
+                await done.wait()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await client.close()
+
+    async def mark() -> None:
+        with anyio.fail_after(20):
+            while "stopped" not in lab.found:
+                await anyio.sleep(0.05)
+        await anyio.sleep(lab.found["stopped"] + 4.0 - time.time())
+        with anyio.fail_after(5):  # a moment the three others are streaming
+            while busy != {1, 2, 3}:
+                await anyio.sleep(0.01)
+        await anyio.sleep(0.2)
+        lab.found["hang_at"] = now = time.time()
+        idle = now - lab.found["stopped"]
+        lab.note(f"the harness seen hung: agent a4 idle {idle:.1f} s, a1-a3 streaming")
+
+    async with anyio.create_task_group() as outer:
+        outer.start_soon(agent, 4, 2, True)
+        async with anyio.create_task_group() as tg:
+            for n in (1, 2, 3):
+                tg.start_soon(agent, n, 8, False)
+            tg.start_soon(mark)
+        done.set()
+    await anyio.sleep(0.5)
+
+
+def agents_marks(lab: Lab, folder: Path) -> dict[str, Any]:
+    """agents_one_stops: the hang mark (from the capture's start, as ``--hang-at +S``
+    takes it) and the connection of the agent that stopped, read from its capture."""
+    from tracer.analysis.summary import Summary
+    from tracer.capture.files import read_into
+
+    with Summary() as summary:
+        read_into(folder / "tap.jsonl", summary.feed)
+        origin = summary.first_t
+    assert origin is not None
+    conns = set()
+    for line in (folder / "tap.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("type") == "request" and str(rec.get("request_id")).startswith("a4-"):
+            conns.add(f"{rec['tap']}/{rec['conn']}")
+    (conn,) = conns  # its two rounds on one keep-alive connection
+    mark = lab.found["hang_at"]
+    lab.notes.append(
+        f"agent a4's connection: {conn}; hang mark +{mark - origin:.2f} s from the capture's "
+        f"start (epoch {mark:.3f})"
+    )
+    return {
+        "hang_at": [f"+{mark - origin:.2f}"],
+        "hang_at_epoch": [round(mark, 3)],
+        "idle_connections": [conn],
+    }
+
+
+async def hop_withholds_end(lab: Lab) -> None:
+    """tap front -> a hop that relays every SSE event and data: [DONE] but never the
+    chunked body's terminating chunk (a tracer proxy without a capture, fault
+    stall-after-events:K:inf for requests marked held-*, K every event of the answer,
+    [DONE] included) -> tap back -> engine: two healthy streams on one keep-alive
+    connection, then two held ones at once, the 3rd on that connection and one on a
+    fresh connection; the clients (httpx) give up on them after 4 s."""
+    engine = await lab.engine("--ttft", "0.05", "--itl", "0.02")
+    tokens, events = 20, 0
+    async with httpx.AsyncClient(timeout=10) as client:  # the answer's events, counted
+        body = {**CHAT, "max_tokens": tokens}
+        async with client.stream("POST", engine + "/v1/chat/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                events += line.startswith("data:")
+    lab.note(
+        f"an answer of {tokens} tokens is {events} SSE events, data: [DONE] included "
+        "(counted once straight from the engine, before the taps)"
+    )
+    back = await lab.tap("back", engine, "--engine-metrics", f"{engine}/metrics", *FAST)
+    fault = f"stall-after-events:{events}:inf@header=x-request-id:held-*"
+    argv = [*TRACER, "proxy", "--listen", "127.0.0.1:0", "--upstream", back, "--tap", "hop"]
+    hop = await lab.start("hop", [*argv, "--fault", fault])
+    lab.note(f"hop {hop} -> {back}: tracer proxy without a capture, --fault {fault}")
+    front = await lab.tap("front", hop)
+
+    async def send(
+        client: httpx.AsyncClient, rid: str, give_up: float | None = None, on: str = ""
+    ) -> None:
+        headers = {"x-request-id": rid}
+        got = await stream(client, front, max_tokens=tokens, headers=headers, timeout=give_up)
+        lab.note(describe(f"httpx {rid} ({tokens} tokens{on}) at the client", got))
+
+    async with httpx.AsyncClient(timeout=30) as reused, httpx.AsyncClient(timeout=30) as fresh:
+        for rid in ("ok-1", "ok-2"):
+            await send(reused, rid)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send, reused, "held-1", 4.0, ", 3rd on its connection")
+            tg.start_soon(send, fresh, "held-2", 4.0, ", a fresh connection")
+    await anyio.sleep(0.5)
+
+
 PROXY_KINDS = ["proxy_*"]
 STALLS = ["engine_stall", "engine_stall_mid_stream"]
 
@@ -437,6 +700,12 @@ class Case:
     required: list[dict[str, Any]] = field(default_factory=list)  # {party, kind[, note]}
     no_faults: bool = False  # no finding other than notes
     limit: float = 90.0
+    more: dict[str, Any] = field(default_factory=dict)  # more keys for expect.json
+    # what more keys the finished captures give (their folder): e.g. hang_at
+    after: Callable[[Lab, Path], dict[str, Any]] | None = None
+    of: str | None = None  # a variant: written from that case's recording (``taps``)
+    taps: list[str] | None = None  # a variant's captures (default: every tap's)
+    about: str = ""  # a variant: what it adds to its case's description
 
 
 CASES: dict[str, Case] = {
@@ -509,10 +778,56 @@ CASES: dict[str, Case] = {
         {"party": "none", "kind": "healthy"},
         no_faults=True,
     ),
+    "nginx_read_timeout_nonstream": Case(
+        nginx_read_timeout_nonstream,
+        # (nginx's own 504 over an engine that was decoding the answer the whole time)
+        {"party": "proxy", "kind": "proxy_error_status"},
+        forbidden=["upstream_silent", "engine_*", "client_*"],
+    ),
+    "hop_swallows_large_bodies": Case(
+        hop_swallows_large_bodies,
+        # (reuse does not separate the held requests from the answered ones: body size does)
+        {"party": "proxy", "kind": "proxy_swallowed_request"},
+        forbidden=["proxy_hung_on_reuse", "engine_*", "client_*"],
+        more={"separating": ["request_bytes"]},
+    ),
+    "hop_swallows_large_bodies_front_only": Case(
+        hop_swallows_large_bodies,
+        # (the front tap alone has no engine figures and no tap behind the hop: it sees
+        # the large bodies unanswered while small ones are answered, on fresh and reused
+        # connections alike, but not whether the hop or the serving stack held them)
+        {"party": "unknown", "kind": "upstream_silent"},
+        forbidden=["proxy_hung_on_reuse", "engine_*", "client_*"],
+        more={"separating": ["request_bytes"]},
+        of="hop_swallows_large_bodies",
+        taps=["front"],
+        about="Only the front capture: the engine's metrics are in back's.",
+    ),
+    "agents_one_stops": Case(
+        agents_one_stops,
+        {"party": "client", "kind": "client_idle_hang"},
+        forbidden=["engine_*", "proxy_*", "upstream_silent"],
+        after=agents_marks,
+    ),
+    "hop_withholds_end": Case(
+        hop_withholds_end,
+        # (every event and data: [DONE] reached tap front, the body's end did not; tap
+        # back saw it end: the hop between them withheld it)
+        {"party": "proxy", "kind": "proxy_held_stream"},
+        forbidden=[
+            "engine_*",
+            "client_*",
+            "proxy_cut_stream",
+            "stream_cut",
+            "proxy_hung_on_reuse",
+            "proxy_swallowed_request",
+        ],
+    ),
 }
 
 
 async def record(name: str, scratch: Path) -> None:
+    """Record case ``name``, then write its directory and its variants' (``Case.of``)."""
     case = CASES[name]
     work = scratch / name
     work.mkdir(parents=True)
@@ -522,21 +837,32 @@ async def record(name: str, scratch: Path) -> None:
         with anyio.fail_after(case.limit):
             await case.run(lab)
     # (every process has stopped: the captures are complete)
+    for out in [name, *(n for n, c in CASES.items() if c.of == name)]:
+        write(out, lab, scratch)
+
+
+def write(name: str, lab: Lab, scratch: Path) -> None:
+    """Case ``name``'s directory: its captures and expect.json, from ``lab``'s recording."""
+    case = CASES[name]
     target = DATA / name
     staged = scratch / f"{name}.out"
     staged.mkdir()
-    for tap, path in lab.captures.items():
-        shutil.copyfile(path, staged / f"{tap}.jsonl")
-    about = " ".join((case.run.__doc__ or "").split())
+    taps = [t for t in lab.captures if case.taps is None or t in case.taps]
+    for tap in taps:
+        shutil.copyfile(lab.captures[tap], staged / f"{tap}.jsonl")
+    found = case.after(lab, staged) if case.after else {}
+    about = " ".join(f"{case.run.__doc__ or ''} {case.about}".split())
     expect = {
         "case": name,
         "about": about,
-        "captures": sorted(f"{tap}.jsonl" for tap in lab.captures),
+        "captures": sorted(f"{tap}.jsonl" for tap in taps),
         "verdict": case.verdict,
         "forbidden": case.forbidden,
         "required": case.required,
         "no_faults": case.no_faults,
         "recorded": lab.notes,
+        **case.more,
+        **found,
     }
     (staged / "expect.json").write_text(json.dumps(expect, indent=2) + "\n")
     if target.exists():
@@ -555,15 +881,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.list:
         for name, case in CASES.items():
-            print(f"{name:32} {(case.run.__doc__ or '').split(chr(10))[0]}")
+            line = (case.run.__doc__ or "").split(chr(10))[0]
+            print(f"{name:32} {f'(from {case.of}) {case.about}' if case.of else line}")
         return 0
     unknown = [n for n in args.names if n not in CASES]
     if unknown:
         parser.error(f"unknown case(s): {', '.join(unknown)} (see --list)")
+    # a variant is written when its case is recorded
+    names = list(dict.fromkeys(CASES[n].of or n for n in args.names or list(CASES)))
     scratch = Path(tempfile.mkdtemp(prefix="tracer-scenarios-"))
     failed: list[str] = []
     try:
-        for name in args.names or list(CASES):
+        for name in names:
             try:
                 anyio.run(record, name, scratch)
             except Exception as exc:  # one case failing does not stop the others

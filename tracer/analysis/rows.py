@@ -65,6 +65,10 @@ class RequestRow:
     zero_gaps: int = 0
     bunch_gaps: int = 0  # gaps of 30-60 ms
     injected: list[str] = field(default_factory=list)  # faults the tap injected itself
+    expect_continue: bool = False  # the head asked for 100 Continue before its body
+    continued: bool = False  # an interim 100 Continue came back
+    max_event_bytes: int = 0  # the largest SSE event's size, and when it arrived
+    max_event_at: float | None = None
 
 
 @dataclass(slots=True)

@@ -203,6 +203,7 @@ class Summary:
                         retry_count=_retry_count(event.headers),
                         version=event.version,
                         pipelined=event.pipelined,
+                        expect_continue=event.expect_continue,
                         after_close=self._closing.get(ckey, False),
                     ),
                 )
@@ -224,6 +225,11 @@ class Summary:
                     req.prompt_chars = event.prompt_chars
                     req.body_sha256 = event.body_sha256
                     req.content_sha256 = event.content_sha256
+            case ev.Informational():
+                req, written = self.requests.lookup((event.tap, event.conn, event.seq))
+                self.late_events += written
+                if req is not None and event.status == 100:
+                    req.continued = True
             case ev.ResponseHead():
                 req = self._request(event.tap, event.conn, event.seq, event.t)
                 if req is not None:
@@ -444,6 +450,8 @@ class Summary:
             else:
                 req.first_event = at
             req.last_event = at
+            if item[1] > req.max_event_bytes:  # the largest event: a client's line limit
+                req.max_event_bytes, req.max_event_at = item[1], at
 
     def _conn(self, tap: str, conn: int) -> ConnectionRow | None:
         row, written = self.connections.lookup((tap, conn))

@@ -64,7 +64,7 @@ class Contradiction:
 def check_claims(ctx: Context, findings: list[Finding]) -> list[Finding]:
     """Findings whose claims their counter-evidence does not contradict: each failure
     finding quotes what its requests share; reuse claims hold only where reuse separates."""
-    findings = _silences_as_context(ctx, findings)
+    findings = _triggers_as_context(_silences_as_context(ctx, findings))
     rank = {tap: i for i, tap in enumerate(ctx.order)}
     # the findings that failed requests the same way at the same tap are compared as one
     # group: a hop that swallowed two requests, one finding each, swallowed both
@@ -82,6 +82,9 @@ def check_claims(ctx: Context, findings: list[Finding]) -> list[Finding]:
         rows_of.setdefault(key, {}).update({r.id: r for r in rows if r.tap == front})
     if not members:
         return findings
+    for (kind, tap), fs in members.items():
+        if kind in CUT_KINDS:
+            _same_age(fs, tap, list(rows_of[(kind, tap)].values()))
     keys = list(members)
     groups = [list(rows_of[k].values()) for k in keys]
     whats = ["hung" if k[0] == "hung" else "failed" for k in keys]
@@ -91,6 +94,34 @@ def check_claims(ctx: Context, findings: list[Finding]) -> list[Finding]:
         for f in members[key]:
             _contrasted(f, c)
     return findings
+
+
+CUT_KINDS = {"proxy_cut_stream", "stream_cut", "engine_truncated"}
+AGE_SLACK = 0.1  # seconds (or 2 %): cuts this close in age were cut at one age
+
+
+def _same_age(fs: list[Finding], front: str, rows: list[RequestRow]) -> None:
+    """Streams cut at one tap at the same age after their request, having started at
+    different times: a total request timeout (Envoy's route timeout, Go's WriteTimeout),
+    not an idle one. Said in the findings, with the age."""
+    cut = {r.id: r for r in rows if r.tap == front and r.termination == "truncated"}
+    ages = sorted(r.end - r.start for r in cut.values() if r.end is not None)
+    starts = sorted(r.start for r in cut.values())
+    if len(ages) < 2 or ages[-1] - ages[0] > max(AGE_SLACK, 0.02 * ages[0]):
+        return
+    if starts[-1] - starts[0] <= max(AGE_SLACK, 0.02 * ages[0]):
+        return  # started together: they may just have stopped together
+    age = ages[len(ages) // 2]
+    item = EvidenceItem(
+        text=f"all {len(ages)} streams cut at tap {front} were cut at the same age, "
+        f"{ages[0]:.2f}-{ages[-1]:.2f} s after their request, though they started "
+        f"{starts[-1] - starts[0]:.2f} s apart: a total request timeout of about {age:.1f} s",
+        tap=front,
+        figures={"same_age": round(age, 6), "cut": len(ages), "spread": ages[-1] - ages[0]},
+    )
+    for f in fs:
+        f.evidence.append(item)
+        f.summary += f" All {len(ages)} were cut {age:.1f} s after their request: a total timeout."
 
 
 def _contrasted(f: Finding, c: Contrast) -> None:
@@ -175,6 +206,36 @@ def _silences_as_context(ctx: Context, findings: list[Finding]) -> list[Finding]
     return [f for f in findings if id(f) not in folded]
 
 
+# a finding about what followed a request's failure, and the finding about the failure
+# itself that it takes as its context (the client left; the engine went on for nobody)
+TRIGGERS = {"engine_kept_generating": "client_abort"}
+
+
+def _triggers_as_context(findings: list[Finding]) -> list[Finding]:
+    """The trigger of a consequence told inside it: one story, not two findings about the
+    same request that rule out each other's party (the client's abort rules out the
+    engine for the abort, not for what the engine did after it)."""
+    folded: set[int] = set()
+    for f in findings:
+        trigger = TRIGGERS.get(f.kind)
+        if trigger is None or f.note:
+            continue
+        for other in findings:
+            if other.kind == trigger and set(other.requests) <= set(f.requests):
+                folded.add(id(other))
+                f.evidence.append(
+                    EvidenceItem(
+                        text=f"context: {other.summary} ({other.party}, {other.kind}: what set "
+                        "it off, not a fault of its own here)",
+                        t=other.t,
+                        tap=other.requests[0].split("/", 1)[0] if other.requests else None,
+                        request=other.requests[0] if other.requests else None,
+                        figures={"context_of": other.kind},
+                    )
+                )
+    return [f for f in findings if id(f) not in folded]
+
+
 def _without_reuse(summary: str) -> str:
     """The summary of a reuse claim, without the reuse it can no longer claim."""
     for words in ("held the reused keep-alive connection", "held the reused HTTP/2 connection"):
@@ -206,6 +267,7 @@ def one_story(findings: list[Finding], verdict: Finding, order: list[str]) -> li
             EvidenceItem(
                 text=f"contradicted by {c.other.id} ({c.other.kind}), which rules out "
                 f"{c.party} for {c.request}",
+                tap=c.request.split("/", 1)[0],
                 request=c.request,
                 figures={"contradicted_by": c.other.id, "ruled_out": c.party},
             )
@@ -213,6 +275,7 @@ def one_story(findings: list[Finding], verdict: Finding, order: list[str]) -> li
         c.other.evidence.append(
             EvidenceItem(
                 text=f"contradicts the verdict {c.verdict.id} ({c.verdict.kind}) for {c.request}",
+                tap=c.request.split("/", 1)[0],
                 request=c.request,
                 figures={"contradicts": c.verdict.id},
             )

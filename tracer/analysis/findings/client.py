@@ -16,6 +16,11 @@ from .model import EvidenceItem, Finding, RuledOut, finding
 from .quotes import outcome_item, request_item, stall_item, ts
 from .signs import STREAM_RESET, gone_before, hang_window, multiplexed
 
+# SSE parsers' line limits: Go's bufio.Scanner (64 KiB), aiohttp's readline (128 KiB to
+# 3.13, 512 KiB after): an event this large, just before the client closed, is suspect
+LINE_LIMIT = 64 * 1024
+LINE_REACH = 1.0  # seconds from that event to the client's close
+
 # a request that came this soon after the FIN was passed on may have been on its way
 # before the client could see it (the keep-alive race): not told from one that ignored it
 RACE_WINDOW = 0.010
@@ -45,6 +50,9 @@ def analyze_client(ctx: Context) -> list[Finding]:
                 )
             )
         if r.termination == "client_abort" and hang_window(r, ctx.e.end) is None:
+            if line_too_long(r):
+                out.append(_line_too_long(r))
+                continue
             out.append(
                 finding(
                     "client_abort",
@@ -166,3 +174,49 @@ def analyze_client_connections(ctx: Context) -> list[Finding]:
     )
     found.connections = sorted({f"{f['tap']}/{f['conn']}" for f in failures})
     return [found]
+
+
+def line_too_long(r: RequestRow) -> bool:
+    """The client closed within ``LINE_REACH`` of the stream's largest event, one over the
+    smallest line limit of common SSE parsers, while the stream was still coming."""
+    return (
+        r.sse
+        and r.max_event_bytes >= LINE_LIMIT
+        and r.max_event_at is not None
+        and r.end is not None
+        and 0.0 <= r.end - r.max_event_at <= LINE_REACH
+        and not r.done
+    )
+
+
+def _line_too_long(r: RequestRow) -> Finding:
+    after = (r.end or 0.0) - (r.max_event_at or 0.0)
+    size = r.max_event_bytes
+    return finding(
+        "client_line_too_long",
+        "client",
+        f"The client closed {after * 1000:.0f} ms after an SSE event of {size / 1024:.0f} KiB "
+        "arrived, with the stream still coming: larger than the line limit of common SSE "
+        "parsers (Go's bufio.Scanner 64 KiB, aiohttp 128-512 KiB), which refuse such a line.",
+        [r],
+        [
+            request_item(r),
+            EvidenceItem(
+                text=f"the stream's largest event: {size} bytes at {ts(r.max_event_at or 0.0)}, "
+                f"{after * 1000:.0f} ms before the client closed",
+                t=r.max_event_at,
+                tap=r.tap,
+                request=r.id,
+                figures={"max_event_bytes": size, "closed_after": round(after, 6)},
+            ),
+            outcome_item(r),
+        ],
+        [
+            RuledOut("engine", "the event arrived whole and the stream was still coming"),
+            RuledOut("proxy", "the tap passed the event on to the client"),
+        ],
+        "medium",
+        settle="the client's own error (aiohttp's LineTooLong, 'Chunk too big', Go's "
+        "bufio.ErrTooLong) would confirm it; reading the body in chunks (iter_any) avoids it",
+        t=r.end,
+    )

@@ -30,6 +30,7 @@ from .model import EvidenceItem
 from .signs import silent_failure
 
 MAX_VALUES = 64  # distinct values of a feature kept per tap; past it, it is not told
+MIN_FAILED = 2  # failed requests needed before a feature can be said to separate them
 MAX_QUOTED = 6  # separating features quoted in a finding's evidence
 
 
@@ -142,8 +143,8 @@ class Contrast:
     failed: int
     completed: int
     reused_failed: int
-    fresh_failed: int  # of the finding's requests, on fresh connections, got nothing back
-    fresh_failed_at_tap: int  # the same over every request at the tap
+    fresh_failed: int  # of the finding's requests, those on fresh connections
+    fresh_failed_at_tap: int  # requests on fresh connections at the tap that got nothing back
     told: list[Separation]
 
     @property
@@ -162,20 +163,26 @@ class Contrast:
         what = self.what
         parts = [s.text for s in self.separating if s.feature != "reused"][:MAX_QUOTED]
         reuse = (
-            f"all {self.failed} {what} on reused connections and none on a fresh one failed"
+            f"all {self.failed} {what} on reused connections and none on a fresh one got "
+            "nothing back"
             if self.reuse_separates
             else f"{self.reused_failed} of {self.failed} {what} on reused connections, "
             f"{self.fresh_failed} on fresh ones"
+            + (
+                f"; {counted(self.fresh_failed_at_tap, 'request')} on fresh connections got "
+                "nothing back"
+                if self.fresh_failed_at_tap
+                else ""
+            )
         )
         if self.failed == 1:
             reuse = (
-                "it was on a reused connection and no request on a fresh one failed"
+                "it was on a reused connection and no request on a fresh one got nothing back"
                 if self.reuse_separates
-                else (
-                    "it was on a fresh connection"
-                    if self.fresh_failed
-                    else "it was on a reused connection, and requests on fresh ones failed too"
-                )
+                else "it was on a fresh connection"
+                if self.fresh_failed
+                else "it was on a reused connection, and requests on fresh ones got nothing "
+                "back too"
             )
         head = (
             f"what the {what} request has"
@@ -199,8 +206,8 @@ class Contrast:
 def _separate_number(
     f: Number, failed: list[float], done: _Completed, what: str
 ) -> Separation | None:
-    if not failed or done.seen.get(f.name, 0) < 2:
-        return None
+    if len(failed) < MIN_FAILED or done.seen.get(f.name, 0) < 2:
+        return None  # one request is extreme in something by chance
     flo, fhi = min(failed), max(failed)
     clo, chi = done.lo[f.name], done.hi[f.name]
     n, m = len(failed), done.seen[f.name]
@@ -215,7 +222,7 @@ def _separate_number(
 
 
 def _separate_value(name: str, failed: list[Any], done: _Completed, what: str) -> Separation | None:
-    if not failed or name in done.overflow:
+    if len(failed) < MIN_FAILED or name in done.overflow:
         return None
     mine = set(failed)
     theirs = done.values.get(name, set())
@@ -294,7 +301,7 @@ def contrast_all(
             if s is not None:
                 told.append(s)
         reused = sum(1 for r in g if r.reused)
-        fresh = sum(1 for r in g if not r.reused and silent_failure(r))
+        silent_fresh = sum(1 for r in g if not r.reused and silent_failure(r))
         out.append(
             Contrast(
                 tap=tap,
@@ -302,8 +309,8 @@ def contrast_all(
                 failed=len(g),
                 completed=completed.count,
                 reused_failed=reused,
-                fresh_failed=fresh,
-                fresh_failed_at_tap=completed.fresh_failed + fresh,
+                fresh_failed=len(g) - reused,
+                fresh_failed_at_tap=completed.fresh_failed + silent_fresh,
                 told=told,
             )
         )

@@ -21,7 +21,7 @@ from .quotes import (
     stall_item,
     ts,
 )
-from .signs import began_before, hang_window
+from .signs import began_before, expect_unanswered, hang_window
 
 
 def analyze_request_hangs(ctx: Context) -> list[Finding]:
@@ -55,6 +55,9 @@ def analyze_request_hangs(ctx: Context) -> list[Finding]:
                 )
             )
         mid_stream = began_before(r, start)
+        if expect_unanswered(r):
+            out.append(expect_finding(r, evidence, serving=ctx.upstream_is_serving(r)))
+            continue
         client_ok = RuledOut(
             "client",
             "the request reached the tap complete and the tap forwarded it; the client "
@@ -327,4 +330,44 @@ def _waited_on_answer(
         "medium",
         note=True,
         t=start,
+    )
+
+
+def expect_finding(
+    r: RequestRow, evidence: list[EvidenceItem], *, serving: bool, hop: str | None = None
+) -> Finding:
+    """A request whose client waited for a 100 Continue that never came: the next hop
+    neither relayed one nor answered (``hop``: the taps it lies between, when known)."""
+    where = hop or ("the serving stack behind tap " if serving else "the hop after tap ") + r.tap
+    waited = (r.end or r.start) - r.start
+    return finding(
+        "expect_continue_unanswered",
+        "engine" if serving and hop is None else "proxy",
+        f"The client sent Expect: 100-continue and waited {waited:.3g} s for it: {where} "
+        "neither relayed nor answered 100 Continue, so the request body never came "
+        f"(0 of its bytes reached tap {r.tap}).",
+        [r],
+        [
+            *evidence,
+            EvidenceItem(
+                text=f"the head asked Expect: 100-continue; no 100 Continue came back; "
+                f"request body bytes at the tap: {r.request_bytes or 0}",
+                t=r.start,
+                tap=r.tap,
+                request=r.id,
+                figures={
+                    "expect_continue": True,
+                    "continued": False,
+                    "request_bytes": r.request_bytes or 0,
+                    "request_complete": False,
+                },
+            ),
+        ],
+        [RuledOut("client", "a client that asks Expect: 100-continue waits for the 100 by design")],
+        "high" if hop else "medium",
+        settle=None
+        if hop
+        else "a tap behind the hop would show whether the head reached it; curl sends Expect "
+        "for bodies over 1 MiB (-H 'Expect:' turns it off)",
+        t=r.start,
     )

@@ -170,6 +170,19 @@ def silent_failure(r: RequestRow) -> bool:
     )
 
 
+def expect_unanswered(r: RequestRow) -> bool:
+    """The head asked ``Expect: 100-continue``, no interim 100 (nor an answer) came back,
+    and the body never came: the client waited for the permission the next hop never
+    gave (a hop that neither relays nor answers 100 Continue)."""
+    return (
+        r.expect_continue
+        and not r.continued
+        and r.status is None
+        and r.request_complete is False
+        and not r.request_bytes
+    )
+
+
 def multiplexed(r: RequestRow) -> bool:
     """An HTTP/2 (or 3) request: a stream among others, not a keep-alive turn."""
     return r.version is not None and r.version[:1] in ("2", "3")

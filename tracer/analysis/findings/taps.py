@@ -13,6 +13,7 @@ from typing import Any
 
 from ..rows import RequestRow
 from .context import Context
+from .hangs import expect_finding
 from .join import JOIN_SLACK
 from .model import EvidenceItem, Finding, RuledOut, finding
 from .quotes import (
@@ -29,6 +30,7 @@ from .signs import (
     client_side,
     delivery_kind,
     error_status,
+    expect_unanswered,
     hang_window,
     relevant_at_front,
     same_failure,
@@ -76,6 +78,12 @@ def join_taps(ctx: Context, findings: list[Finding]) -> list[Finding]:
                 extra.append(_answered_alone(seen[last], after, never))
                 replaced.update(r.id for r in rows)
                 continue
+            if stopped and expect_unanswered(seen[last]):
+                hop = f"the hop between tap {last} and tap {after}"
+                extra.append(expect_finding(seen[last], [request_item(seen[last]), never],
+                                            serving=False, hop=hop))  # fmt: skip
+                replaced.update(r.id for r in rows)
+                continue
             if stopped:
                 view = ctx.engine_view(*(window or (front.start, front.end or front.start)))
                 fresh, _ = ctx.fresh_completed(seen[last])
@@ -87,7 +95,11 @@ def join_taps(ctx: Context, findings: list[Finding]) -> list[Finding]:
                 if window is not None:  # what the tap's own probes found meanwhile
                     evidence += [probe_item(p) for p in ctx.probes_during(*window, seen[taps[0]])]
                 ruled = [
-                    RuledOut("client", f"the request reached tap {last} complete"),
+                    *(
+                        [RuledOut("client", f"the request reached tap {last} complete")]
+                        if seen[last].request_complete is not False
+                        else []
+                    ),
                     RuledOut(
                         "engine",
                         f"the request never reached tap {after}, in "
@@ -305,9 +317,17 @@ def _held_between(rows: list[RequestRow]) -> Finding | None:
             f"{back.tap} received it as it came, with no gap over {back.max_gap:.3g} s: the "
             "hop between them buffered it (as nginx with proxy_buffering on does)."
             if buffered
-            else f"Tap {front.tap} got nothing for {silent['duration']:.3g} s while tap "
-            f"{back.tap} received the stream with no gap over {back.max_gap:.3g} s: the hop "
-            "between them held it.",
+            else f"Tap {front.tap} got nothing for {silent['duration']:.3g} s"
+            + (
+                f" after all {front.events} events and data: [DONE] (the body's end never came)"
+                if front.done
+                else f" after {front.events} events"
+                if front.events
+                else ""
+            )
+            + f" while tap {back.tap} received the stream"
+            + (" to its end" if back.termination == "complete" else "")
+            + f" with no gap over {back.max_gap:.3g} s: the hop between them held it.",
             [front, back],
             [
                 request_item(front),

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...wording import counted
+from .abandoned import analyze_abandoned
 from .claims import check_claims, one_story
 from .client import analyze_client, analyze_client_connections
 from .context import Context, Evidence
@@ -53,6 +54,7 @@ ANALYZERS: list[Callable[[Context], list[Finding]]] = [
     analyze_first_events,
     analyze_reused_first_events,
     analyze_load,
+    analyze_abandoned,
     analyze_marks,
 ]
 
