@@ -134,7 +134,7 @@ class Cap:
             seq=seq,
             termination=end,
             status=status if ttfb is not None else None,
-            body_bytes=100 * events,
+            body_bytes=100 * events if ttfb is not None and status else 0,
             duration=done_at - t,
             events=events,
             done=end == "complete" if done is None else done,
@@ -461,7 +461,8 @@ def test_a_failure_seen_the_same_at_every_tap_is_one_finding_from_the_nearest() 
     for cap, lag in ((front, 0.0), (back, 0.002)):
         cap.exchange(1, 1, 1.0 + lag, rid="ok")
         cap.exchange(1, 2, 2.0 + lag, rid="cut", idle=0.5, events=3, end="truncated")
-        cap.exchange(2, 1, 3.0 + lag, rid="stalled")
+        cap.exchange(2, 1, 3.0 + lag, rid="stalled", ttfb=None, events=0, end="client_abort",
+                     duration=6.0)  # fmt: skip
         cap.stall(2, 1, 3.0 + lag, 9.0 + lag)
         # a stall the hop between added: seen in front only
         cap.exchange(3, 1, 10.0 + lag, rid="held")

@@ -87,9 +87,7 @@ def test_scenario(name: str) -> None:
         for name in expect.get("idle_connections", []):  # the connections that went quiet
             assert name in chosen["connections"], (name, chosen["connections"])
         separating = {
-            feature
-            for e in chosen["evidence"]
-            for feature in e["figures"].get("separating", [])
+            feature for e in chosen["evidence"] for feature in e["figures"].get("separating", [])
         }
         for feature in expect.get("separating", []):  # what set the failed requests apart
             assert feature in separating, (feature, shown)

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from ..times import iso
 from ..wording import counted
+from .marks import mark_lines
 
 
 def to_json(result: dict[str, Any]) -> str:
@@ -157,7 +158,8 @@ def verdict_lines(result: dict[str, Any]) -> list[str]:
             lines.append(f"  ruled out {r['party']}: {quoted(r['why'])}")
         if f.get("settle"):
             lines.append(f"  to settle: {quoted(f['settle'])}")
-    return lines
+    marks = mark_lines(result, rel, "  - ")
+    return [*lines, "", *marks] if marks else lines
 
 
 CONNECTION_COLUMNS = (
@@ -534,6 +536,10 @@ def write_markdown(result: dict[str, Any], stream: TextIO) -> None:
         if f.get("settle"):
             out.append(f"- to settle: {f['settle']}")
         out.append("")
+    marks = mark_lines(result, rel, "- ")
+    for line in marks:
+        out += [line] if line.startswith("- ") else ["", f"**{line}**", ""]
+    out += [""] if marks else []
     out += [
         *(
             [

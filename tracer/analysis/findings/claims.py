@@ -185,6 +185,17 @@ def _silences_as_context(ctx: Context, findings: list[Finding]) -> list[Finding]
         )
         if view.known:
             hop.evidence.append(view.item())
+        if view.generating and view.progress_span:
+            rate = (view.progress or 0.0) / view.progress_span
+            hop.summary = (
+                hop.summary.rstrip(".") + f" — the hop gave up after {waited:.3g} s while the "
+                f"engine decoded at {rate:.0f} tok/s."
+            )
+            hop.settle = (
+                f"the hop's own timeout ({waited:.3g} s) is shorter than the engine takes to "
+                "answer: raise it (nginx's proxy_read_timeout, haproxy's timeout server), or "
+                "stream the answer"
+            )
         for other in findings:
             if (
                 other is not hop

@@ -189,7 +189,12 @@ class Contrast:
             if self.failed == 1
             else f"what the {self.failed} {what} requests share"
         ) + f" against the {counted(self.completed, 'completed request')} at tap {self.tap}: "
-        body = "; ".join([*parts, reuse]) if parts else reuse + "; no feature separates them"
+        none = (
+            "; no feature separates them"
+            if self.failed >= MIN_FAILED
+            else "; one request is too few to say what separates it"
+        )
+        body = "; ".join([*parts, reuse]) if parts else reuse + none
         figures: dict[str, Any] = {
             "failed": self.failed,
             "completed": self.completed,

@@ -44,8 +44,8 @@ def analyze_delivery(ctx: Context) -> list[Finding]:
                 finding(
                     "delivery_coalesced",
                     "proxy" if not ctx.upstream_is_serving(r) else "engine",
-                    f"Events arrived in bunches about 40 ms apart (a hop upstream of tap "
-                    f"{r.tap} without TCP_NODELAY meeting a delayed ACK).",
+                    f"Events arrived in bunches at tap {r.tap} ({_bunching(r)}): a hop "
+                    "upstream of it without TCP_NODELAY meeting a delayed ACK.",
                     [r],
                     [request_item(r), gap_item(r)],
                     [RuledOut("client", "bunching is seen before the client")],
@@ -87,12 +87,18 @@ def analyze_delivery(ctx: Context) -> list[Finding]:
     return out
 
 
+def _bunching(r: RequestRow) -> str:
+    """The figures that make a stream bunched, as ``gap_item`` quotes them."""
+    zero = r.zero_gaps / r.event_gaps if r.event_gaps else 0.0
+    return f"{zero:.0%} of gaps < 1 ms, {r.bunch_gaps} gaps of 30-60 ms"
+
+
 def _coalesced_between(r: RequestRow, steady: RequestRow) -> Finding:
     """Bunched at one tap, steady at the next one toward the engine: the hop between."""
     return finding(
         "delivery_coalesced",
         "proxy",
-        f"Events arrived in bunches about 40 ms apart at tap {r.tap} but steadily at tap "
+        f"Events arrived in bunches at tap {r.tap} ({_bunching(r)}) but steadily at tap "
         f"{steady.tap}: the hop between tap {r.tap} and tap {steady.tap} holds them (no "
         "TCP_NODELAY meeting a delayed ACK).",
         [r, steady],

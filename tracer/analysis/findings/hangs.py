@@ -349,15 +349,17 @@ def expect_finding(
         [r],
         [
             *evidence,
+            *([] if any(e.figures.get("termination") for e in evidence) else [outcome_item(r)]),
             EvidenceItem(
-                text=f"the head asked Expect: 100-continue; no 100 Continue came back; "
-                f"request body bytes at the tap: {r.request_bytes or 0}",
+                text=f"the head asked Expect: 100-continue; no 100 Continue came back in "
+                f"{waited:.3g} s; request body bytes at the tap: {r.request_bytes or 0}",
                 t=r.start,
                 tap=r.tap,
                 request=r.id,
                 figures={
                     "expect_continue": True,
                     "continued": False,
+                    "waited": round(waited, 6),
                     "request_bytes": r.request_bytes or 0,
                     "request_complete": False,
                 },

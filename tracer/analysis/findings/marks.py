@@ -186,10 +186,11 @@ def analyze_marks(ctx: Context) -> list[Finding]:
         quiet = ms.of("quiet")
         summary_item = EvidenceItem(
             text=f"hang reported at {ts(mark)}: at tap {front}, "
-            f"{counts['moving']} connection(s) in flight and moving, {stuck} in flight and "
-            f"silent, {counts['idle'] + counts['quiet']} idle ({counts['quiet']} of them "
-            f"conversations whose client sent nothing more), {counts['closed']} closed; "
-            f"{counted(before, 'request')} before it, {incomplete} not complete",
+            f"{counted(counts['moving'], 'connection')} in flight and moving, {stuck} in "
+            f"flight and silent, {counts['idle'] + counts['quiet']} idle ({counts['quiet']} "
+            "of them conversations whose client sent nothing more), "
+            f"{counts['closed']} closed; {counted(before, 'request')} before it, "
+            f"{incomplete} not complete",
             t=mark,
             tap=front,
             figures={
