@@ -78,7 +78,16 @@ SPREAD = 0.25  # s: the tap's relay latency (scheduling on a loaded 2-core machi
 FAULTS = ("error:after=2@nth=3", "close:after=2@nth=5")  # the engine's 3rd and 5th completions
 
 # request fields that are times or follow from them
-TIMES = {"start", "end", "first_event", "last_event", "ttfb", "first_token", "duration"}
+TIMES = {
+    "start",
+    "end",
+    "first_event",
+    "last_event",
+    "max_event_at",
+    "ttfb",
+    "first_token",
+    "duration",
+}
 GAPS = {"max_gap", "idle_before"}
 BY_TIMING = {"zero_gaps", "bunch_gaps"}
 NAMES = {"id", "tap", "conn"}

@@ -224,6 +224,10 @@ def analyze_marks(ctx: Context) -> list[Finding]:
                 else ""
             )
             told = f"{who} went quiet after complete answers{also}"
+            settle: str | None = (
+                "the harness's own state for those sessions: the tap sees that their client "
+                "sent nothing more, not whether it had finished or was stuck on itself"
+            )
         elif incomplete:
             told = (
                 f"nothing was in flight; {incomplete} of the {before} requests before the "
@@ -231,6 +235,8 @@ def analyze_marks(ctx: Context) -> list[Finding]:
             )
         else:
             told = "nothing was in flight and every response had been delivered"
+        if not quiet:
+            settle = None
         names = [s.connection for s in quiet] if quiet else []
         complete = incomplete == 0 or bool(quiet)
         if facing:
@@ -243,6 +249,7 @@ def analyze_marks(ctx: Context) -> list[Finding]:
                 ruled,
                 "high" if complete and (not quiet or not counts["moving"]) else "medium",
                 t=mark,
+                settle=settle if counts["moving"] else None,
             )
         else:
             f = finding(
