@@ -38,7 +38,9 @@ def analyze_client(ctx: Context) -> list[Finding]:
                 finding(
                     "client_not_reading",
                     "client",
-                    "The client stopped reading: writes to it backed up while data waited.",
+                    "The client stopped reading: writes to it backed up"
+                    + (f" for {s['duration']:.3g} s" if s["duration"] else "")
+                    + " while data waited.",
                     [r],
                     [request_item(r), stall_item(r, s), outcome_item(r)],
                     [
@@ -57,9 +59,14 @@ def analyze_client(ctx: Context) -> list[Finding]:
                 finding(
                     "client_abort",
                     "client",
-                    "The client reset the HTTP/2 stream while the response was still flowing."
-                    if multiplexed(r) and (r.detail or "").startswith(STREAM_RESET)
-                    else "The client closed the connection while the response was still flowing.",
+                    (
+                        "The client reset the HTTP/2 stream"
+                        if multiplexed(r) and (r.detail or "").startswith(STREAM_RESET)
+                        else "The client closed the connection"
+                    )
+                    + (f" {r.end - r.start:.3g} s after its request" if r.end is not None else "")
+                    + (f", after {r.events} events," if r.sse else "")
+                    + " while the response was still flowing.",
                     [r],
                     [request_item(r), outcome_item(r)],
                     [RuledOut("engine", "bytes were arriving until the client closed")],

@@ -76,7 +76,8 @@ def analyze_upstream_endings(ctx: Context) -> list[Finding]:
                 finding(
                     "engine_error_status",
                     hop,
-                    f"Upstream answered {r.status}.",
+                    f"Upstream answered {r.status}"
+                    + (f" after {r.ttfb:.3g} s." if r.ttfb is not None else "."),
                     [r],
                     evidence,
                     [RuledOut("client", "the error came from upstream")],
@@ -110,7 +111,9 @@ def analyze_upstream_endings(ctx: Context) -> list[Finding]:
                 finding(
                     "engine_truncated" if serving else "stream_cut",
                     hop,
-                    "Upstream closed the response before its end.",
+                    f"Upstream closed the response after {r.response_bytes} bytes"
+                    + (f" and {r.events} events" if r.sse else "")
+                    + ", before its end.",
                     [r],
                     evidence,
                     [RuledOut("client", "upstream closed first")],
@@ -133,7 +136,8 @@ def analyze_upstream_endings(ctx: Context) -> list[Finding]:
                 finding(
                     "logical_truncation",
                     hop,
-                    "The body ended cleanly but without [DONE] or a finish_reason.",
+                    f"The body ended cleanly after {r.events} events but without [DONE] or a "
+                    "finish_reason.",
                     [r],
                     evidence,
                     [RuledOut("client", "upstream ended the body")],

@@ -37,6 +37,15 @@ def analyze_request_hangs(ctx: Context) -> list[Finding]:
         view = ctx.engine_view(start, end)
         evidence = [request_item(r), outcome_item(r)]
         evidence += [stall_item(r, s) for s in r.stalls]
+        evidence.append(
+            EvidenceItem(
+                text=f"nothing from upstream from {ts(start)} to {ts(end)} ({end - start:.3g} s)",
+                t=start,
+                tap=r.tap,
+                request=r.id,
+                figures={"silent_for": round(end - start, 6)},
+            )
+        )
         evidence += injected_items(r)
         if view.known:
             evidence.append(view.item())
@@ -69,7 +78,8 @@ def analyze_request_hangs(ctx: Context) -> list[Finding]:
                 finding(
                     kind,
                     "engine",
-                    "The engine held the request running while its decode progress stayed flat.",
+                    f"The engine held the request running (running≤{view.running_max}) while its "
+                    f"decode progress stayed flat over {view.progress_span:.3g} s.",
                     [r],
                     evidence,
                     [
@@ -276,7 +286,8 @@ def analyze_request_hangs(ctx: Context) -> list[Finding]:
             finding(
                 "upstream_silent",
                 "unknown",
-                "Nothing came back from upstream; the evidence does not say which hop held it.",
+                f"Nothing came back from upstream for {end - start:.3g} s; the evidence does not "
+                "say which hop held it.",
                 [r],
                 evidence,
                 [client_ok],

@@ -43,13 +43,15 @@ def outcome_text(r: RequestRow) -> str:
     parts = [f"termination={r.termination}"]
     if r.status is not None:
         parts.append(f"status={r.status}")
+    if r.ttfb is not None:
+        parts.append(f"ttfb={r.ttfb:.3g} s")
     parts.append(f"response bytes={r.response_bytes}")
     if r.sse:
         parts.append(f"events={r.events}, [DONE]={'yes' if r.done else 'no'}")
     if r.close:
         parts.append(f"upstream {r.close}")
     if r.end is not None:
-        parts.append(f"ended {ts(r.end)}")
+        parts.append(f"ended {ts(r.end)}, {r.end - r.start:.3g} s after its request")
     return ", ".join(parts)
 
 
@@ -68,11 +70,15 @@ def outcome(r: RequestRow) -> dict[str, Any]:
     out: dict[str, Any] = {"termination": r.termination}
     if r.status is not None:
         out["status"] = r.status
+    if r.ttfb is not None:
+        out["ttfb"] = r.ttfb
     out["response_bytes"] = r.response_bytes
     if r.sse:
         out |= {"events": r.events, "done": r.done}
     if r.close:
         out["close"] = r.close
+    if r.end is not None:
+        out["duration"] = round(r.end - r.start, 6)
     return out
 
 

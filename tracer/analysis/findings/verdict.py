@@ -8,6 +8,7 @@ notes, what hung before the rest, hard evidence before timing heuristics.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,9 @@ MARK_KINDS = {
 # findings read from timing statistics alone (bunching): they yield the verdict to hard
 # evidence (a request never seen at the next tap, bytes that stopped, a status)
 TIMING_KINDS = {"delivery_coalesced", "first_event_held"}
+# a summary's figures are its request's own: findings whose summaries differ only in
+# them are the same fault met by several requests
+NUMBER = re.compile(r"\d+(?:\.\d+)?")
 GROUP_EVIDENCE = 40  # evidence items kept in a finding that stands for several
 LAG_LIMIT = 0.030  # a tap whose loop ran this late cannot tell 30-60 ms bunches apart
 LAG_REACH = 5.0  # seconds after a finding's time that a starved window still bears on it
@@ -102,13 +106,13 @@ def _discount_starved(ctx: Context, findings: list[Finding]) -> None:
 
 
 def _grouped(findings: list[Finding]) -> list[Finding]:
-    """Identical findings (the same kind, party, confidence and summary: the same fault
-    met by several requests) as one, naming all their requests; its evidence keeps the
+    """Identical findings (the same kind, party, confidence and summary but for its
+    figures: the same fault met by several requests) as one (its summary the first's), naming all their requests; its evidence keeps the
     first ``GROUP_EVIDENCE`` items and says how many findings it stands for."""
     out: list[Finding] = []
     first: dict[tuple[Any, ...], Finding] = {}
     for f in findings:
-        key = (f.kind, f.party, f.confidence, f.note, f.summary)
+        key = (f.kind, f.party, f.confidence, f.note, NUMBER.sub("#", f.summary))
         group = first.get(key)
         if group is None:
             first[key] = f
