@@ -505,14 +505,16 @@ async def hop_swallows_large_bodies(lab: Lab) -> None:
     0.3-37 KB on three keep-alive connections (a, b, c) complete; then two with 64 KB
     bodies, one the 5th request of connection a (reused), one on a fresh connection d,
     are held by haproxy and never reach tap back, while b and c send two more small
-    ones each, answered; the clients give up on the big ones after 5 s."""
+    ones each, and two fresh connections (e, f) one small one each, answered (fresh
+    connections answering meanwhile: what once made the reused one read as a hang on
+    reuse); the clients give up on the big ones after 5 s."""
     engine = await lab.engine("--ttft", "0.05", "--itl", "0.02")
     back = await lab.tap("back", engine, "--engine-metrics", f"{engine}/metrics", *FAST)
     rules = "timeout tarpit 60s\nhttp-request tarpit if { req.hdr_val(content-length) gt 60000 }"
     front = await lab.tap("front", await lab.haproxy(back, "30s", rules))
     async with AsyncExitStack() as clients:
         conns: dict[str, httpx.AsyncClient] = {}
-        for name in "abcd":  # one keep-alive connection each
+        for name in "abcdef":  # one keep-alive connection each
             one_conn = httpx.Limits(max_connections=1)
             conns[name] = await clients.enter_async_context(
                 httpx.AsyncClient(timeout=30, limits=one_conn)
@@ -545,6 +547,8 @@ async def hop_swallows_large_bodies(lab: Lab) -> None:
             tg.start_soon(send, "d", 1, LARGE, 5)  # fresh
             tg.start_soon(run, "b", [2_000, 37_000], 4, 1.0)
             tg.start_soon(run, "c", [3_000, 15_000], 4, 1.0)
+            tg.start_soon(run, "e", [4_000], 1, 1.5)  # fresh, answered meanwhile
+            tg.start_soon(run, "f", [6_000], 1, 3.0)
     await anyio.sleep(1)
 
 
@@ -670,7 +674,7 @@ async def hop_withholds_end(lab: Lab) -> None:
     argv = [*TRACER, "proxy", "--listen", "127.0.0.1:0", "--upstream", back, "--tap", "hop"]
     hop = await lab.start("hop", [*argv, "--fault", fault])
     lab.note(f"hop {hop} -> {back}: tracer proxy without a capture, --fault {fault}")
-    front = await lab.tap("front", hop)
+    front = await lab.tap("front", hop, "--engine-metrics", f"{engine}/metrics", *FAST)
 
     async def send(
         client: httpx.AsyncClient, rid: str, give_up: float | None = None, on: str = ""
@@ -822,6 +826,17 @@ CASES: dict[str, Case] = {
             "proxy_hung_on_reuse",
             "proxy_swallowed_request",
         ],
+    ),
+    "hop_withholds_end_front_only": Case(
+        hop_withholds_end,
+        # (the front tap alone, with the engine's own figures: every event and [DONE]
+        # reached it, then nothing while the hop after it held the body's end — what it
+        # says must be what its figures say, never "none reached the tap")
+        {"party": "proxy", "kind": "proxy_held_stream"},
+        forbidden=["engine_*", "client_*", "proxy_hung_on_reuse", "proxy_swallowed_request"],
+        of="hop_withholds_end",
+        taps=["front"],
+        about="Only the front capture, which scraped the engine's metrics too.",
     ),
 }
 

@@ -237,6 +237,33 @@ def analyze_request_hangs(ctx: Context) -> list[Finding]:
                 )
             )
             continue
+        if mid_stream and r.done and not serving and r.status is not None:
+            # [DONE] reached the tap: whoever wrote it had finished the stream; only the
+            # body's end was missing, and it is the hop after the tap that holds it
+            idle = f"; {view.quote()}" if view.known else ""
+            out.append(
+                finding(
+                    "proxy_held_stream",
+                    "proxy",
+                    f"The hop after tap {r.tap} held the body's end: "
+                    + _held_words(r, start, end, view, done_only=True),
+                    [r],
+                    evidence,
+                    [
+                        client_ok,
+                        RuledOut(
+                            "engine",
+                            f"the stream's data: [DONE] reached tap {r.tap}: its writer had "
+                            f"finished it{idle}",
+                        ),
+                    ],
+                    "medium",
+                    t=start,
+                    settle=f"a tap behind the hop after tap {r.tap} would show the body's end "
+                    "reaching it",
+                )
+            )
+            continue
         if mid_stream and view.producing:
             out.append(
                 finding(
@@ -299,25 +326,30 @@ def analyze_request_hangs(ctx: Context) -> list[Finding]:
     return out
 
 
-def _held_words(r: RequestRow, start: float, end: float, view: EngineView) -> str:
+def _held_words(
+    r: RequestRow, start: float, end: float, view: EngineView, *, done_only: bool = False
+) -> str:
     """The held stream's summary, from its own figures: what had reached the tap before
     the silence (never "none" when events came), how long nothing came, what the engine
-    produced meanwhile."""
+    produced meanwhile (``done_only``: nothing said of the engine)."""
+    span = f"{end - start:.3g} s"
     if r.events == 0:
-        came = "no event reached the tap"
+        came = f"no event reached the tap for {span}"
     elif r.done:
         came = (
-            f"all {r.events} events and data: [DONE] reached the tap, then nothing: "
-            "the body's end never came"
+            f"all {r.events} events and data: [DONE] reached the tap, then nothing for "
+            f"{span}: the body's end never came"
         )
     else:
-        came = f"{counted_words(r.events, 'event')} reached the tap, then nothing"
+        came = f"{counted_words(r.events, 'event')} reached the tap, then nothing for {span}"
+    if done_only:
+        return came + "."
     made = (
         f"decode progress +{view.progress:g} tokens"
         if view.progress
         else f"finished-request tokens +{view.finished or 0:g}"
     )
-    return f"For {end - start:.3g} s {came} while the engine produced tokens ({made})."
+    return f"{came[0].upper()}{came[1:]} while the engine produced tokens ({made})."
 
 
 def _waited_on_answer(
