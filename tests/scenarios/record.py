@@ -841,9 +841,11 @@ CASES: dict[str, Case] = {
 }
 
 
-async def record(name: str, scratch: Path) -> None:
-    """Record case ``name``, then write its directory and its variants' (``Case.of``)."""
-    case = CASES[name]
+async def record(name: str, scratch: Path, cases: dict[str, Case] | None = None) -> None:
+    """Record case ``name`` of ``cases`` (default ``CASES``), then write its directory
+    and its variants' (``Case.of``)."""
+    cases = CASES if cases is None else cases
+    case = cases[name]
     work = scratch / name
     work.mkdir(parents=True)
     print(f"{name}: {case.run.__doc__.split(chr(10))[0] if case.run.__doc__ else ''}", flush=True)
@@ -852,13 +854,12 @@ async def record(name: str, scratch: Path) -> None:
         with anyio.fail_after(case.limit):
             await case.run(lab)
     # (every process has stopped: the captures are complete)
-    for out in [name, *(n for n, c in CASES.items() if c.of == name)]:
-        write(out, lab, scratch)
+    for out in [name, *(n for n, c in cases.items() if c.of == name)]:
+        write(cases[out], out, lab, scratch)
 
 
-def write(name: str, lab: Lab, scratch: Path) -> None:
+def write(case: Case, name: str, lab: Lab, scratch: Path) -> None:
     """Case ``name``'s directory: its captures and expect.json, from ``lab``'s recording."""
-    case = CASES[name]
     target = DATA / name
     staged = scratch / f"{name}.out"
     staged.mkdir()
@@ -888,28 +889,39 @@ def write(name: str, lab: Lab, scratch: Path) -> None:
     print(f"  -> {target.relative_to(ROOT)}: {sizes}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.scenarios.record", description=__doc__)
+def main(
+    argv: list[str] | None = None,
+    *,
+    cases: dict[str, Case] | None = None,
+    prog: str = "python -m tests.scenarios.record",
+    doc: str | None = __doc__,
+) -> int:
+    """The recorder's command line, over ``cases`` (default ``CASES``: the modules of
+    more cases call it with theirs)."""
+    cases = CASES if cases is None else cases
+    parser = argparse.ArgumentParser(
+        prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("names", nargs="*", metavar="NAME", help="cases to record (default all)")
     parser.add_argument("--list", action="store_true", help="list the cases")
     parser.add_argument("--keep", action="store_true", help="keep logs and configs")
     args = parser.parse_args(argv)
     if args.list:
-        for name, case in CASES.items():
+        for name, case in cases.items():
             line = (case.run.__doc__ or "").split(chr(10))[0]
             print(f"{name:32} {f'(from {case.of}) {case.about}' if case.of else line}")
         return 0
-    unknown = [n for n in args.names if n not in CASES]
+    unknown = [n for n in args.names if n not in cases]
     if unknown:
         parser.error(f"unknown case(s): {', '.join(unknown)} (see --list)")
     # a variant is written when its case is recorded
-    names = list(dict.fromkeys(CASES[n].of or n for n in args.names or list(CASES)))
+    names = list(dict.fromkeys(cases[n].of or n for n in args.names or list(cases)))
     scratch = Path(tempfile.mkdtemp(prefix="tracer-scenarios-"))
     failed: list[str] = []
     try:
         for name in names:
             try:
-                anyio.run(record, name, scratch)
+                anyio.run(record, name, scratch, cases)
             except Exception as exc:  # one case failing does not stop the others
                 failed.append(name)
                 print(f"  FAILED {name}: {type(exc).__name__}: {exc}", flush=True)

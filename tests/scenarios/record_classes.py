@@ -23,14 +23,11 @@ binding port 0; each case has a time limit.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +35,9 @@ import aiohttp
 import anyio
 import httpx
 
+from tests.scenarios import record as base
 from tests.scenarios.record import (
     CHAT,
-    DATA,
-    ROOT,
     Case,
     Lab,
     describe,
@@ -319,73 +315,11 @@ CASES: dict[str, Case] = {
 }
 
 
-async def record(name: str, scratch: Path) -> None:
-    """``tests.scenarios.record.record`` for this module's ``CASES``."""
-    case = CASES[name]
-    work = scratch / name
-    work.mkdir(parents=True)
-    print(f"{name}: {case.run.__doc__.split(chr(10))[0] if case.run.__doc__ else ''}", flush=True)
-    async with AsyncExitStack() as stack:
-        lab = Lab(work=work, stack=stack)
-        with anyio.fail_after(case.limit):
-            await case.run(lab)
-    # (every process has stopped: the captures are complete)
-    target = DATA / name
-    staged = scratch / f"{name}.out"
-    staged.mkdir()
-    for tap, path in lab.captures.items():
-        shutil.copyfile(path, staged / f"{tap}.jsonl")
-    expect = {
-        "case": name,
-        "about": " ".join((case.run.__doc__ or "").split()),
-        "captures": sorted(f"{tap}.jsonl" for tap in lab.captures),
-        "verdict": case.verdict,
-        "forbidden": case.forbidden,
-        "required": case.required,
-        "no_faults": case.no_faults,
-        "recorded": lab.notes,
-    }
-    (staged / "expect.json").write_text(json.dumps(expect, indent=2) + "\n")
-    if target.exists():
-        shutil.rmtree(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(staged), target)
-    sizes = ", ".join(f"{p.name} {p.stat().st_size // 1024} KiB" for p in sorted(target.iterdir()))
-    print(f"  -> {target.relative_to(ROOT)}: {sizes}", flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m tests.scenarios.record_classes",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    """``tests.scenarios.record``'s command line over this module's ``CASES``."""
+    return base.main(
+        argv, cases=CASES, prog="python -m tests.scenarios.record_classes", doc=__doc__
     )
-    parser.add_argument("names", nargs="*", metavar="NAME", help="cases to record (default all)")
-    parser.add_argument("--list", action="store_true", help="list the cases")
-    parser.add_argument("--keep", action="store_true", help="keep logs and configs")
-    args = parser.parse_args(argv)
-    if args.list:
-        for name, case in CASES.items():
-            print(f"{name:32} {(case.run.__doc__ or '').split(chr(10))[0]}")
-        return 0
-    unknown = [n for n in args.names if n not in CASES]
-    if unknown:
-        parser.error(f"unknown case(s): {', '.join(unknown)} (see --list)")
-    scratch = Path(tempfile.mkdtemp(prefix="tracer-scenarios-"))
-    failed: list[str] = []
-    try:
-        for name in args.names or list(CASES):
-            try:
-                anyio.run(record, name, scratch)
-            except Exception as exc:  # one case failing does not stop the others
-                failed.append(name)
-                print(f"  FAILED {name}: {type(exc).__name__}: {exc}", flush=True)
-    finally:
-        if args.keep:
-            print(f"logs and configs: {scratch}")
-        else:
-            shutil.rmtree(scratch, ignore_errors=True)
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":

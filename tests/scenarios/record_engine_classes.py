@@ -21,13 +21,8 @@ right answer), as ``record.py`` does.
 
 from __future__ import annotations
 
-import argparse
-import shutil
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import anyio
 import httpx
@@ -236,42 +231,11 @@ CASES: dict[str, Case] = {
 }
 
 
-async def record(name: str, scratch: Path) -> None:
-    """``record.record`` for one of these cases (it looks its case up in ``record.CASES``)."""
-    with mock.patch.dict(base.CASES, {name: CASES[name]}):
-        await base.record(name, scratch)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m tests.scenarios.record_engine_classes", description=__doc__
+    """``tests.scenarios.record``'s command line over this module's ``CASES``."""
+    return base.main(
+        argv, cases=CASES, prog="python -m tests.scenarios.record_engine_classes", doc=__doc__
     )
-    parser.add_argument("names", nargs="*", metavar="NAME", help="cases to record (default all)")
-    parser.add_argument("--list", action="store_true", help="list the cases")
-    parser.add_argument("--keep", action="store_true", help="keep logs and configs")
-    args = parser.parse_args(argv)
-    if args.list:
-        for name, case in CASES.items():
-            print(f"{name:36} {(case.run.__doc__ or '').split(chr(10))[0]}")
-        return 0
-    unknown = [n for n in args.names if n not in CASES]
-    if unknown:
-        parser.error(f"unknown case(s): {', '.join(unknown)} (see --list)")
-    scratch = Path(tempfile.mkdtemp(prefix="tracer-scenarios-"))
-    failed: list[str] = []
-    try:
-        for name in args.names or list(CASES):
-            try:
-                anyio.run(record, name, scratch)
-            except Exception as exc:  # one case failing does not stop the others
-                failed.append(name)
-                print(f"  FAILED {name}: {type(exc).__name__}: {exc}", flush=True)
-    finally:
-        if args.keep:
-            print(f"logs and configs: {scratch}")
-        else:
-            shutil.rmtree(scratch, ignore_errors=True)
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":
