@@ -219,3 +219,74 @@ def test_rows_carry_the_prompt_size() -> None:
     assert openai_fields(b'{"prompt":"xyz"}')["prompt_chars"] == 3
     assert "prompt_chars" not in openai_fields(b'{"model":"m"}')
     assert ROUTER  # (the shared constants)
+
+
+# --- what an attack on the claims found (issue 35's tester) -------------------------------
+
+
+def test_a_client_that_stops_mid_body_is_the_client_not_a_lost_request() -> None:
+    from tracer import events as ev
+
+    cap = Cap(upstream=ENGINE)
+    cap.exchange(2, 1, 0.0)
+    cap._e(ev.ConnOpen, 0.999, conn=1, peer="127.0.0.1:5", local="127.0.0.1:6")
+    cap._e(ev.RequestHead, 1.0, conn=1, seq=1, idle_before=0.0, method="POST",
+           target="/v1/chat/completions", version="1.1", headers=[])  # fmt: skip
+    cap._e(ev.RequestEnd, 21.0, conn=1, seq=1, complete=False, body_bytes=5_059)
+    cap._e(ev.ResponseEnd, 21.0, conn=1, seq=1, termination="client_abort", body_bytes=0,
+           duration=20.0)  # fmt: skip
+    cap.stall(1, 1, 1.0, 21.0, direction="client_silent")
+    for t in range(23):
+        cap.engine(float(t), running=0)
+    result = analyze(cap)
+    assert kinds(result) == [("client", "client_body_stalled")]
+    assert evidence(result["findings"][0], request_complete=False, request_bytes=5_059)
+
+
+def test_a_mark_over_a_request_that_only_has_notes_is_still_answered() -> None:
+    cap = Cap(upstream=ENGINE)
+    cap.exchange(1, 1, 0.0)
+    cap.exchange(2, 1, 1.0, ttfb=15.0, events=10)
+    cap.stall(2, 1, 1.0, 16.0)
+    for t in range(25):
+        cap.engine(float(t), running=8, queued=5, delta=40)
+    result = analyze(cap, hang_at=[cap.t0 + 10], client_facing=["front"])
+    v = result["verdict"]
+    assert (v["party"], v["kind"], v["confidence"]) == ("unknown", "silent_at_hang", "low")
+    (top,) = [f for f in result["findings"] if f["id"] == v["finding"]]
+    assert top["connections"] == ["front/2"]
+    assert ("engine", "engine_queueing") in kinds(result)  # the note that says why
+
+
+def test_a_mark_after_the_front_taps_capture_ended_is_not_the_client() -> None:
+    from tracer import events as ev
+
+    front, back = Cap("front", upstream=PROXY), Cap("back", upstream=ENGINE)
+    for seq in (1, 2):
+        front.exchange(1, seq, seq * 1.0, rid=f"r{seq}", idle=0.5)
+        back.exchange(1, seq, seq * 1.0 + 0.002, rid=f"r{seq}", idle=0.5)
+    front._e(ev.CaptureEnd, 5.0, records=10, dropped=0, reason="stopped")
+    for i in range(20):
+        back.exchange(2, i + 1, 10.0 + i * 4, rid=f"b{i}", idle=3.0)
+    result = analyze(front, back, hang_at=[front.t0 + 50])
+    assert result["verdict"]["kind"] == "not_recording_at_hang"
+    assert ("client", "client_idle_hang") not in kinds(result)
+
+
+def test_a_fresh_request_the_capture_cut_does_not_cancel_reuse() -> None:
+    cap = Cap(upstream=PROXY)
+    _swallowing_hop(cap, fresh_big=False)
+    # sent 1.5 s before the capture ends, a stall recorded after 1 s: no hang yet
+    cap.exchange(5, 1, 10.0, ttfb=None, events=0, end="in_flight", duration=1.5)
+    cap.stall(5, 1, 10.0, None)
+    assert analyze(cap)["verdict"]["kind"] == "proxy_hung_on_reuse"
+
+
+def test_cuts_at_one_age_are_no_total_timeout_when_longer_requests_completed() -> None:
+    cap = Cap(upstream=PROXY)
+    for i in range(6):
+        cap.exchange(10 + i, 1, i * 3.0, events=160, itl=0.05)  # 8 s streams, complete
+    cap.exchange(1, 1, 1.0, events=100, itl=0.05, end="truncated")
+    cap.exchange(2, 1, 11.0, events=90, itl=0.0555, end="truncated")
+    found = [f for f in analyze(cap)["findings"] if f["kind"] == "stream_cut"]
+    assert found and not [e for f in found for e in f["evidence"] if "same_age" in e["figures"]]

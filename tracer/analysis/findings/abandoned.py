@@ -5,8 +5,8 @@ The client's abort stays the client's (``client_abort``). What is the engine's i
 came after: at a tap in front of the serving stack, from ``SETTLE`` after the abort until
 the tap's next request (at most ``REACH``), nothing was in flight at the tap while the
 engine's live figures said it ran requests and its decode progress moved, for at least
-``MIN_SPAN``. Another client of the same engine would explain that too: the finding says
-so, and is medium unless the tap is declared in front of the engine.
+``MIN_SPAN``. Another tap's request in flight then ends the quiet; a client of the engine that
+no tap saw would explain it too: the finding is medium and says what would settle it.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ def analyze_abandoned(ctx: Context) -> list[Finding]:
         view = ctx.engine_view(start, end)
         if not view.generating or view.progress_span < MIN_SPAN:
             continue
-        declared = ctx.role(r.tap) == "engine"
         out.append(
             finding(
                 "engine_kept_generating",
@@ -52,7 +51,7 @@ def analyze_abandoned(ctx: Context) -> list[Finding]:
                 f"The engine went on generating after the client left {r.id}: for "
                 f"{end - start:.3g} s nothing was in flight at tap {r.tap} while it ran "
                 f"≤{view.running_max} request(s) and decoded +{view.progress:g} tokens — "
-                "load for nobody, which the requests after it wait behind.",
+                "load for nobody.",
                 [r],
                 [
                     request_item(r),
@@ -68,12 +67,10 @@ def analyze_abandoned(ctx: Context) -> list[Finding]:
                 [
                     RuledOut("proxy", "the tap's upstream is the serving stack itself"),
                 ],
-                "high" if declared else "medium",
-                settle=None
-                if declared
-                else "the engine's own per-request records (its abort log, or "
-                "num_aborted_requests_total) would show it, and whether other clients of "
-                "the engine ran requests then",
+                "medium",  # a client of the engine that no tap saw would explain it too
+                settle="the engine's own per-request records (its abort log, or "
+                "num_aborted_requests_total) would show it, and whether clients no tap saw "
+                "ran requests on the engine then",
                 t=start,
             )
         )
@@ -87,10 +84,12 @@ def _quiet_after(ctx: Context, aborts: list[RequestRow]) -> dict[str, float]:
     by_tap: dict[str, list[RequestRow]] = {}
     for r in aborts:
         by_tap.setdefault(r.tap, []).append(r)
+    everyone = [r for rs in by_tap.values() for r in rs]
     for o in ctx.e.requests:
-        if not o.method or o.tap not in by_tap:
+        if not o.method:
             continue
-        for r in by_tap[o.tap]:
+        # a request in flight at any tap may be the engine's load (another client's)
+        for r in everyone:
             if o.id == r.id or r.end is None:
                 continue
             o_end = o.end if o.end is not None else float("inf")

@@ -84,7 +84,7 @@ def check_claims(ctx: Context, findings: list[Finding]) -> list[Finding]:
         return findings
     for (kind, tap), fs in members.items():
         if kind in CUT_KINDS:
-            _same_age(fs, tap, list(rows_of[(kind, tap)].values()))
+            _same_age(fs, tap, list(rows_of[(kind, tap)].values()), ctx.longest_complete[tap])
     keys = list(members)
     groups = [list(rows_of[k].values()) for k in keys]
     whats = ["hung" if k[0] == "hung" else "failed" for k in keys]
@@ -100,7 +100,9 @@ CUT_KINDS = {"proxy_cut_stream", "stream_cut", "engine_truncated"}
 AGE_SLACK = 0.1  # seconds (or 2 %): cuts this close in age were cut at one age
 
 
-def _same_age(fs: list[Finding], front: str, rows: list[RequestRow]) -> None:
+def _same_age(
+    fs: list[Finding], front: str, rows: list[RequestRow], longest_complete: float
+) -> None:
     """Streams cut at one tap at the same age after their request, having started at
     different times: a total request timeout (Envoy's route timeout, Go's WriteTimeout),
     not an idle one. Said in the findings, with the age."""
@@ -112,6 +114,10 @@ def _same_age(fs: list[Finding], front: str, rows: list[RequestRow]) -> None:
     if starts[-1] - starts[0] <= max(AGE_SLACK, 0.02 * ages[0]):
         return  # started together: they may just have stopped together
     age = ages[len(ages) // 2]
+    if longest_complete >= ages[0]:
+        return  # a request at the tap completed after longer than that: no such timeout
+    if len({(r.events, r.response_bytes) for r in cut.values()}) == 1:
+        return  # cut after the same bytes: the same size, as much as the same age
     item = EvidenceItem(
         text=f"all {len(ages)} streams cut at tap {front} were cut at the same age, "
         f"{ages[0]:.2f}-{ages[-1]:.2f} s after their request, though they started "

@@ -14,7 +14,7 @@ from ..rows import RequestRow
 from .context import Context
 from .model import EvidenceItem, Finding, RuledOut, finding
 from .quotes import outcome_item, request_item, stall_item, ts
-from .signs import STREAM_RESET, gone_before, hang_window, multiplexed
+from .signs import STREAM_RESET, expect_unanswered, gone_before, hang_window, multiplexed
 
 # SSE parsers' line limits: Go's bufio.Scanner (64 KiB), aiohttp's readline (128 KiB to
 # 3.13, 512 KiB after): an event this large, just before the client closed, is suspect
@@ -51,6 +51,9 @@ def analyze_client(ctx: Context) -> list[Finding]:
                     t=s["start"],
                 )
             )
+        if r.request_complete is False and not expect_unanswered(r) and r.status is None:
+            out.append(_body_stalled(r))
+            continue
         if r.termination == "client_abort" and hang_window(r, ctx.e.end) is None:
             if line_too_long(r):
                 out.append(_line_too_long(r))
@@ -193,6 +196,7 @@ def line_too_long(r: RequestRow) -> bool:
         and r.end is not None
         and 0.0 <= r.end - r.max_event_at <= LINE_REACH
         and not r.done
+        and r.finish_reason is None
     )
 
 
@@ -226,4 +230,38 @@ def _line_too_long(r: RequestRow) -> Finding:
         settle="the client's own error (aiohttp's LineTooLong, 'Chunk too big', Go's "
         "bufio.ErrTooLong) would confirm it; reading the body in chunks (iter_any) avoids it",
         t=r.end,
+    )
+
+
+def _body_stalled(r: RequestRow) -> Finding:
+    """The client sent a head and part of its body, then nothing: the request never
+    reached the tap whole, so no hop behind it could answer it."""
+    silent = next((s for s in r.stalls if s["direction"] == "client_silent"), None)
+    evidence = [
+        request_item(r),
+        EvidenceItem(
+            text=f"request body: {r.request_bytes or 0} bytes came, the body never ended",
+            t=r.start,
+            tap=r.tap,
+            request=r.id,
+            figures={"request_bytes": r.request_bytes or 0, "request_complete": False},
+        ),
+        outcome_item(r),
+    ]
+    if silent is not None:
+        evidence.append(stall_item(r, silent))
+    return finding(
+        "client_body_stalled",
+        "client",
+        f"The client sent {r.request_bytes or 0} bytes of its request body and then "
+        "stopped: the request never reached the tap whole, so nothing behind it could "
+        "answer.",
+        [r],
+        evidence,
+        [
+            RuledOut("engine", "the request never arrived whole"),
+            RuledOut("proxy", "the tap had not received the whole request to forward"),
+        ],
+        "high" if silent is not None else "medium",
+        t=r.start,
     )

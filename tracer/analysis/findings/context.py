@@ -110,6 +110,8 @@ class Context:
         self.fresh_outcomes: dict[str, tuple[int, int]] = {}
         # per tap: requests on fresh connections that got nothing back (``silent_failure``)
         self.fresh_silent: dict[str, int] = defaultdict(int)
+        # per tap: the longest a request took that completed (what a total timeout is not)
+        self.longest_complete: dict[str, float] = defaultdict(float)
         self._scan()
         self.order = self.join.ordered(self.counts)
 
@@ -128,6 +130,10 @@ class Context:
                 if not r.method:
                     continue
                 self.counts[r.tap] += 1
+                if r.termination == "complete" and r.end is not None:
+                    took = r.end - r.start
+                    if took > self.longest_complete[r.tap]:
+                        self.longest_complete[r.tap] = took
                 if not r.reused:
                     ok, bad = self.fresh_outcomes.get(r.tap, (0, 0))
                     complete = r.termination == "complete"

@@ -19,6 +19,7 @@ requests were on).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -34,16 +35,43 @@ MIN_FAILED = 2  # failed requests needed before a feature can be said to separat
 MAX_QUOTED = 6  # separating features quoted in a finding's evidence
 
 
-def _kib(n: float) -> str:
-    return f"{n / 1000:.0f} KB" if n >= 10_000 else f"{n:.0f} B"
+def _round(n: float, step: float, way: int) -> float:
+    """``n`` to a multiple of ``step``: down (way -1: a lower bound that holds), up (1)."""
+    nudge = 1e-9 if way < 0 else -1e-9
+    return float((math.floor if way < 0 else math.ceil)(n / step + nudge)) * step
 
 
-def _secs(n: float) -> str:
-    return f"{n:.2f} s"
+def _apart(lo: float, hi: float, steps: tuple[float, ...]) -> float:
+    """The coarsest step at which ``lo`` rounded down still lies above ``hi`` rounded up
+    (the bounds a sentence can say and the figures bear out); the finest one else."""
+    for step in steps:
+        if _round(lo, step, -1) > _round(hi, step, 1):
+            return step
+    return steps[-1]
 
 
-def _plain(n: float) -> str:
-    return f"{n:g}"
+def _kib(lo: float, hi: float) -> tuple[str, str]:
+    step = _apart(lo, hi, (1000.0, 100.0, 1.0))
+    if step == 1.0 or hi < 10_000:
+        return f"{lo:.0f} B", f"{hi:.0f} B"
+    digits = 0 if step == 1000.0 else 1
+    return (
+        f"{_round(lo, step, -1) / 1000:.{digits}f} KB",
+        f"{_round(hi, step, 1) / 1000:.{digits}f} KB",
+    )
+
+
+def _secs(lo: float, hi: float) -> tuple[str, str]:
+    step = _apart(lo, hi, (0.01, 0.001, 0.000001))
+    digits = {0.01: 2, 0.001: 3}.get(step, 6)
+    return f"{_round(lo, step, -1):.{digits}f} s", f"{_round(hi, step, 1):.{digits}f} s"
+
+
+def _whole(word: str) -> Callable[[float, float], tuple[str, str]]:
+    def say(lo: float, hi: float) -> tuple[str, str]:
+        return f"{lo:.0f}{word}", f"{hi:.0f}{word}"
+
+    return say
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,19 +80,20 @@ class Number:
 
     name: str
     words: str
-    unit: Callable[[float], str]
+    # the lower and the higher bound in words, rounded away from each other
+    unit: Callable[[float, float], tuple[str, str]]
 
 
 NUMBERS = (
     Number("request_bytes", "request bodies of", _kib),
-    Number("prompt_chars", "prompts of", lambda n: f"{n:.0f} characters"),
-    Number("prompt_tokens", "prompts of", lambda n: f"{n:.0f} tokens"),
-    Number("max_tokens", "max_tokens", _plain),
+    Number("prompt_chars", "prompts of", _whole(" characters")),
+    Number("prompt_tokens", "prompts of", _whole(" tokens")),
+    Number("max_tokens", "max_tokens", _whole("")),
     Number("idle_before", "an idle gap before them of", _secs),
-    Number("seq", "a position on their connection of", _plain),
+    Number("seq", "a position on their connection of", _whole("")),
     Number("conn_age", "a connection age of", _secs),
 )
-VALUES = ("stream", "model", "target", "connection")
+VALUES = ("stream", "model", "connection")  # (the target: compared only within, below)
 
 
 def _number(r: RequestRow, name: str, age: float) -> float | None:
@@ -97,7 +126,8 @@ class _Completed:
     seen: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # how many had it
     values: dict[str, set[Any]] = field(default_factory=lambda: defaultdict(set))
     overflow: set[str] = field(default_factory=set)  # features with too many values
-    others_on_conns: int = 0  # other requests on the failed requests' connections
+    # other requests on each of the failed requests' connections
+    others_on_conns: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def add(self, r: RequestRow, age: float, conns: set[str]) -> None:
         self.count += 1
@@ -110,6 +140,8 @@ class _Completed:
             self.hi[f.name] = max(self.hi.get(f.name, v), v)
         for name in VALUES:
             v = _value(r, name)
+            if v is None:
+                continue  # a feature it does not have is no value to share
             if name == "connection" and v not in conns:
                 continue  # only whether the failed requests' connections had completions
             kept = self.values[name]
@@ -146,6 +178,7 @@ class Contrast:
     fresh_failed: int  # of the finding's requests, those on fresh connections
     fresh_failed_at_tap: int  # requests on fresh connections at the tap that got nothing back
     told: list[Separation]
+    cut_short: int = 0  # fresh members the capture's end cut before they could be hangs
 
     @property
     def separating(self) -> list[Separation]:
@@ -155,7 +188,11 @@ class Contrast:
     def reuse_separates(self) -> bool:
         """Every failed request was on a reused connection, and none on a fresh one at the
         tap failed (``fresh_failed_at_tap``, counted over all failures, not just these)."""
-        return self.reused_failed == self.failed and self.fresh_failed_at_tap == 0
+        return (
+            self.reused_failed > 0
+            and self.reused_failed + self.cut_short == self.failed
+            and self.fresh_failed_at_tap == 0
+        )
 
     def item(self) -> EvidenceItem:
         """The separating features quoted, with reuse always told (it is the one a team
@@ -217,11 +254,14 @@ def _separate_number(
     clo, chi = done.lo[f.name], done.hi[f.name]
     n, m = len(failed), done.seen[f.name]
     figures = {"failed": [flo, fhi], "completed": [clo, chi]}
+    # the bounds said are ones the figures bear out (rounded away from each other)
     if flo > chi:
-        text = f"all {n} {what} had {f.words} ≥ {f.unit(flo)}; all {m} completed ≤ {f.unit(chi)}"
+        low, high = f.unit(flo, chi)
+        text = f"all {n} {what} had {f.words} ≥ {low}; all {m} completed ≤ {high}"
         return Separation(feature=f.name, separates=True, text=text, figures=figures)
     if fhi < clo:
-        text = f"all {n} {what} had {f.words} ≤ {f.unit(fhi)}; all {m} completed ≥ {f.unit(clo)}"
+        low, high = f.unit(clo, fhi)
+        text = f"all {n} {what} had {f.words} ≤ {high}; all {m} completed ≥ {low}"
         return Separation(feature=f.name, separates=True, text=text, figures=figures)
     return Separation(feature=f.name, separates=False, text="", figures=figures)
 
@@ -233,7 +273,7 @@ def _separate_value(name: str, failed: list[Any], done: _Completed, what: str) -
     theirs = done.values.get(name, set())
     figures = {"failed": sorted(map(str, mine)), "completed_share": bool(mine & theirs)}
     if name == "connection":
-        if not done.others_on_conns:
+        if not any(done.others_on_conns[c] for c in mine):
             return None  # connections that carried nothing else say nothing
         separates = not (mine & theirs)
         text = (
@@ -263,9 +303,11 @@ def contrast_all(
     taps = {g[0].tap for g in groups if g}
     failed_ids = {r.id for g in groups for r in g}
     conns: dict[str, set[str]] = defaultdict(set)
+    targets: dict[str, set[str]] = defaultdict(set)
     for g in groups:
         for r in g:
             conns[r.tap].add(f"{r.tap}/{r.conn}")
+            targets[r.tap].add(r.target)
     done: dict[str, _Completed] = defaultdict(_Completed)
     ages: dict[str, float] = {}
     first: tuple[str, int, float] | None = None
@@ -279,7 +321,9 @@ def contrast_all(
             ages[r.id] = age
             continue
         if f"{r.tap}/{r.conn}" in conns[r.tap]:
-            done[r.tap].others_on_conns += 1
+            done[r.tap].others_on_conns[f"{r.tap}/{r.conn}"] += 1
+        if r.target not in targets[r.tap]:
+            continue  # compared only with requests to what the failed ones asked for
         if r.termination == "complete" and (r.status is None or r.status < 400):
             done[r.tap].add(r, age, conns[r.tap])
         elif not r.reused and silent_failure(r):
@@ -307,6 +351,8 @@ def contrast_all(
                 told.append(s)
         reused = sum(1 for r in g if r.reused)
         silent_fresh = sum(1 for r in g if not r.reused and silent_failure(r))
+        # a member the capture's end cut a moment after it was sent proves nothing either way
+        cut_short = sum(1 for r in g if not r.reused and not silent_failure(r))
         out.append(
             Contrast(
                 tap=tap,
@@ -316,6 +362,7 @@ def contrast_all(
                 reused_failed=reused,
                 fresh_failed=len(g) - reused,
                 fresh_failed_at_tap=completed.fresh_failed + silent_fresh,
+                cut_short=cut_short,
                 told=told,
             )
         )

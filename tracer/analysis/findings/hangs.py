@@ -67,6 +67,8 @@ def analyze_request_hangs(ctx: Context) -> list[Finding]:
         if expect_unanswered(r):
             out.append(expect_finding(r, evidence, serving=ctx.upstream_is_serving(r)))
             continue
+        if r.request_complete is False:
+            continue  # its body never came whole: the client's (client.analyze_client)
         client_ok = RuledOut(
             "client",
             "the request reached the tap complete and the tap forwarded it; the client "

@@ -204,8 +204,20 @@ def analyze_marks(ctx: Context) -> list[Finding]:
                 "incomplete": incomplete,
             },
         )
+        ended = ctx.e.taps.get(front, {}).get("ended")
+        started = ctx.e.taps.get(front, {}).get("started")
+        if (ended is not None and mark > ended + 1.0) or (started and mark < started - 1.0):
+            out.append(_not_recording(front, mark, started, ended, summary_item))
+            continue
         if stuck:
-            continue  # the hang analyzers name what was stuck
+            # the hang analyzers name what was stuck; if all they have are notes (a wait,
+            # load), the mark is still answered (``verdict.find`` keeps this only then)
+            out.append(
+                _silent(
+                    front, mark, [summary_item, *map(_state_item, ms.of("silent")[:MAX_QUOTED])], ms
+                )
+            )
+            continue
         view = ctx.engine_view(mark - 5.0, mark)
         evidence = [summary_item]
         shown = quiet if quiet else ms.of("moving")
@@ -217,7 +229,7 @@ def analyze_marks(ctx: Context) -> list[Finding]:
             continue
         ruled = [RuledOut("engine", "nothing was outstanding at the serving side for them")]
         if quiet:
-            who = f"{counted(len(quiet), 'connection')} that carried a conversation"
+            who = f"{counted(counts['quiet'], 'connection')} that carried a conversation"
             also = (
                 f", while {counted(counts['moving'], 'other connection')} still moved"
                 if counts["moving"]
@@ -291,4 +303,61 @@ def _moving(
         "seconds later, or a tap nearer the client",
     )
     f.connections = [s.connection for s in ms.of("moving")][:MAX_STATES]
+    return f
+
+
+def _not_recording(
+    front: str,
+    mark: float,
+    started: float | None,
+    ended: float | None,
+    item: EvidenceItem,
+) -> Finding:
+    """A mark outside the front tap's own capture: it cannot testify about it."""
+    when = (
+        f"ended at {ts(ended)}"
+        if ended is not None and mark > ended
+        else (f"started at {ts(started or mark)}")
+    )
+    return finding(
+        "not_recording_at_hang",
+        "unknown",
+        f"Tap {front} was not recording at the hang mark (its capture {when}): what the "
+        "harness saw then is not in its capture.",
+        [],
+        [
+            item,
+            EvidenceItem(
+                text=f"tap {front}'s capture {when}",
+                t=ended if ended is not None and mark > ended else started,
+                tap=front,
+                figures={"started": started, "ended": ended},
+            ),
+        ],
+        [],
+        "low",
+        t=mark,
+        settle=f"a capture of tap {front} that covers the mark",
+    )
+
+
+def _silent(front: str, mark: float, evidence: list[EvidenceItem], ms: MarkStates) -> Finding:
+    """Requests in flight and silent at the mark: the hang analyzers' findings about them
+    say why; this one answers the mark when all they have are notes."""
+    f = finding(
+        "silent_at_hang",
+        "unknown",
+        f"At tap {front}, {counted(ms.counts['silent'], 'connection')} had a request in flight "
+        "and silent at the mark; what the analysis found of them is only notes (a wait, "
+        "load), not a fault.",
+        [],
+        evidence,
+        [],
+        "low",
+        t=mark,
+        settle="the notes about those requests say what they waited on; the harness's own "
+        "timeouts say how long it would wait",
+    )
+    f.connections = [s.connection for s in ms.of("silent")]
+    f.requests = [s.request for s in ms.of("silent") if s.request]
     return f

@@ -15,6 +15,8 @@ from ..rows import ZERO_GAP, RequestRow
 STREAM_RESET = "stream reset by client"  # mitmproxy's words for an HTTP/2 RST_STREAM
 SLOW_FIRST_TOKEN = 2.0  # seconds: below this a first token is never "slow"
 BURST_GAP = 0.25  # seconds: a wait between bursts no decode step explains
+SILENT_MIN = 3.0  # seconds of silence before a request the capture's end cut counts as hung
+EXPECT_WAIT = 1.0  # seconds: curl waits this long for a 100 before it sends anyway
 IDLE_REUSE_RACE = 1.0  # seconds idle before a request for a stale-connection race
 # the observer's detail for a request sent after the upstream's FIN or reset had been
 # passed on, then "S s before" (captures before it: the words alone)
@@ -161,6 +163,10 @@ def silent_failure(r: RequestRow) -> bool:
     """The request got nothing back, for long enough to be a hang (a stall was recorded, or
     it ended after a second or more): the way a hop that holds a request fails it. One that
     the capture's end cut a moment after it was sent is not one."""
+    if r.termination == "in_flight":  # cut by the capture's end: how long is unknown
+        silent = upstream_silence(r)
+        lasted = (r.end or silent["start"]) - silent["start"] if silent else 0.0
+        return r.status is None and r.response_bytes == 0 and lasted >= SILENT_MIN
     return (
         r.termination != "complete"
         and r.status is None
@@ -180,6 +186,7 @@ def expect_unanswered(r: RequestRow) -> bool:
         and r.status is None
         and r.request_complete is False
         and not r.request_bytes
+        and (r.end is None or r.end - r.start >= EXPECT_WAIT)
     )
 
 

@@ -37,6 +37,8 @@ MARK_KINDS = {
     "client_idle_hang",
     "idle_at_hang",
     "moving_at_hang",
+    "silent_at_hang",
+    "not_recording_at_hang",
 }  # findings about a --hang-at mark
 # findings read from timing statistics alone (bunching): they yield the verdict to hard
 # evidence (a request never seen at the next tap, bytes that stopped, a status)
@@ -143,6 +145,8 @@ def find(e: Evidence) -> tuple[list[Finding], dict[str, Any]]:
     findings = injected_by_the_tap(ctx, findings)
     _discount_starved(ctx, findings)
     findings = check_claims(ctx, _grouped(findings))
+    if any(not f.note and f.kind != "silent_at_hang" for f in findings):
+        findings = [f for f in findings if f.kind != "silent_at_hang"]
     # what the user saw hang: requests that never completed (or stalled), and the marks
     hung = {r.id for r in ctx.interesting if r.termination != "complete" or r.stalls}
     # requests whose silence a finding explains with high confidence (a wedge): a hop's
