@@ -4,12 +4,12 @@ A rule that fires on a pattern ("a reused connection hung") must first ask wheth
 pattern is what tells the failures from the requests that went well. For the requests a
 finding concerns, each request feature — reused or fresh, idle gap before it, position
 on its connection, the connection's age, body bytes, prompt characters, prompt tokens
-(where the engine reported them), ``stream``, ``max_tokens``, model, path, client
-connection — is compared with the same feature of the requests that completed at the
-same tap over the analysed time range. A feature *separates* them when no completed
+(where the engine reported them), ``stream``, ``max_tokens``, model, client connection —
+is compared with the same feature of the requests to the same paths that completed at
+the same tap over the analysed time range. A feature *separates* them when no completed
 request falls in the failed requests' range (numbers) or shares a value with them
 (the rest); ``reused`` separates them one way: every failed request was on a reused
-connection and no request on a fresh one failed.
+connection and no request on a fresh one got nothing back.
 
 One pass over the rows answers every finding at once (``contrast_all``): per tap, the
 range of each number and the values of each of the rest over the completed requests
