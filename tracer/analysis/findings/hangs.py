@@ -239,7 +239,15 @@ def analyze_request_hangs(ctx: Context) -> list[Finding]:
                 )
             )
             continue
-        if mid_stream and r.done and not serving and r.status is not None:
+        if (
+            mid_stream
+            and r.done
+            and r.termination != "complete"
+            and r.last_event is not None
+            and r.last_event <= start + 0.001  # every event, [DONE] too, before the silence
+            and not serving
+            and r.status is not None
+        ):
             # [DONE] reached the tap: whoever wrote it had finished the stream; only the
             # body's end was missing, and it is the hop after the tap that holds it
             idle = f"; {view.quote()}" if view.known else ""
