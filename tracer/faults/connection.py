@@ -10,18 +10,15 @@ the faults of a response applied by ``stages``.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
 
 from ..protocol.framing import BodyDecoder, FramingError, body_framing, request_framing
 from ..protocol.head import HeadError, HeadReader, parse_request_head, parse_response_head
 from ..protocol.sse import is_event_stream
 from .actions import Action, ArmIdle, Cut, Deliver, Forward, Freeze, Injected
+from .decision import Decision, FaultPlan
 from .kinds import Fault, status_response
 from .segments import HEAD, BodySegments, Item, Seg, SseEvents
 from .stages import EVENT_FAULTS, finish, pipeline, run
-
-if TYPE_CHECKING:  # (plan.py re-exports ConnectionFaults: no import of it at run time)
-    from .plan import Decision, FaultPlan
 
 
 class _Unfollowable(Exception):

@@ -1,7 +1,8 @@
 """One client connection and its pinned upstream connection: ``Connection`` forwards
 first and observes after, on asyncio ``Protocol`` callbacks (see ``proxy/relay.py`` for
 why); ``InjectingConnection`` adds ``x-request-id`` where a head is unambiguous. The tap
-(``relay.Tap``) accepts and picks the kind per connection."""
+(``relay.Tap``) accepts and picks the kind per connection; what a connection needs of it
+is ``ConnectionTap``, so that no connection module imports the relay (which imports them)."""
 
 from __future__ import annotations
 
@@ -13,25 +14,70 @@ import socket
 import struct
 import termios
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import structlog
 
 from .. import events as ev
 from ..evidence import topology
-from ..observe.wire import ConnectionObserver, not_http
+from ..observe.wire import Bodies, ConnectionObserver, not_http
 from .inject import RequestIdInjector
 from .pump import ClientPump, UpstreamPump
 
 if TYPE_CHECKING:
-    from .relay import Tap
+    from ..capture.bodies import BodyBudget
+    from ..faults.plan import FaultPlan
+    from .stats import TapStats
 
 log = structlog.get_logger("tracer.proxy.relay")
 
 READ_SIZE = 65536
 # errors that are the tap's own limits, not its upstream's: reported as such (503)
 OWN_LIMITS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+class TapSettings(Protocol):
+    """What a connection reads of its tap's configuration (``relay.TapConfig``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def upstream_host(self) -> str: ...
+    @property
+    def upstream_port(self) -> int: ...
+    @property
+    def connect_timeout(self) -> float: ...
+    @property
+    def bodies(self) -> Bodies: ...
+    @property
+    def max_header_bytes(self) -> int: ...
+    @property
+    def max_body_keep(self) -> int: ...
+    @property
+    def redact_json_fields(self) -> frozenset[str]: ...
+
+
+class ConnectionTap(Protocol):
+    """What a connection needs of its tap (``relay.Tap``): its settings, counters and
+    records, the live connections, and the upstream connect run for it."""
+
+    @property
+    def config(self) -> TapSettings: ...
+    @property
+    def stats(self) -> TapStats: ...
+    @property
+    def body_budget(self) -> BodyBudget: ...
+    @property
+    def live(self) -> dict[int, Connection]: ...
+    @property
+    def fault_plan(self) -> FaultPlan | None: ...  # (a ``FaultConnection``'s)
+    @property
+    def wall_offset(self) -> float: ...
+    def next_id(self) -> int: ...
+    def emit(self, event: ev.Event) -> None: ...
+    def safe_emit(self, event: ev.Event) -> None: ...
+    def start_connect(self, connect: Coroutine[Any, Any, None]) -> bool: ...
 
 
 class Connection:
@@ -45,7 +91,9 @@ class Connection:
     plain_client = True  # the pumps forward the client's reads unchanged
     plain_upstream = True  # and the upstream's
 
-    def __init__(self, tap: Tap, client: asyncio.Transport, pump: ClientPump | None = None) -> None:
+    def __init__(
+        self, tap: ConnectionTap, client: asyncio.Transport, pump: ClientPump | None = None
+    ) -> None:
         self.tap = tap
         self.pump = pump
         self.id = tap.next_id()
@@ -59,7 +107,7 @@ class Connection:
             tap=cfg.name,
             conn=self.id,
             emit=tap.safe_emit,
-            wall_offset=tap._wall,
+            wall_offset=tap.wall_offset,
             opened_m=self.opened_m,
             bodies=cfg.bodies,
             max_header_bytes=cfg.max_header_bytes,
@@ -86,7 +134,7 @@ class Connection:
         tap.live[self.id] = self
         tap.emit(
             ev.ConnOpen(
-                t=self.opened_m + tap._wall,
+                t=self.opened_m + tap.wall_offset,
                 m=self.opened_m,
                 tap=cfg.name,
                 conn=self.id,
@@ -132,7 +180,12 @@ class Connection:
         start = time.monotonic()
         tap.emit(
             ev.UpstreamConnect(
-                t=start + tap._wall, m=start, tap=cfg.name, conn=self.id, phase="start", addr=addr
+                t=start + tap.wall_offset,
+                m=start,
+                tap=cfg.name,
+                conn=self.id,
+                phase="start",
+                addr=addr,
             )
         )
         loop = asyncio.get_running_loop()
@@ -150,7 +203,7 @@ class Connection:
             )
             tap.emit(
                 ev.UpstreamConnect(
-                    t=done + tap._wall,
+                    t=done + tap.wall_offset,
                     m=done,
                     tap=cfg.name,
                     conn=self.id,
@@ -185,7 +238,7 @@ class Connection:
         self.upstream_opened = True
         tap.emit(
             ev.UpstreamConnect(
-                t=done + tap._wall,
+                t=done + tap.wall_offset,
                 m=done,
                 tap=cfg.name,
                 conn=self.id,
@@ -337,7 +390,7 @@ class Connection:
         tap.stats.bytes_from_upstream += obs.upstream_bytes
         tap.emit(
             ev.ConnClose(
-                t=now + tap._wall,
+                t=now + tap.wall_offset,
                 m=now,
                 tap=tap.config.name,
                 conn=self.id,
@@ -402,7 +455,9 @@ class InjectingConnection(Connection):
 
     plain_client = False  # its client reads are rewritten (``from_client``)
 
-    def __init__(self, tap: Tap, client: asyncio.Transport, pump: ClientPump | None = None) -> None:
+    def __init__(
+        self, tap: ConnectionTap, client: asyncio.Transport, pump: ClientPump | None = None
+    ) -> None:
         super().__init__(tap, client, pump)
         self.injector = RequestIdInjector(f"tracer-{tap.config.name}-{self.id}")
         self.client_bytes = 0
@@ -427,7 +482,7 @@ class InjectingConnection(Connection):
         tap = self.tap
         tap.safe_emit(
             ev.Anomaly(
-                t=now + tap._wall,
+                t=now + tap.wall_offset,
                 m=now,
                 tap=tap.config.name,
                 conn=self.id,

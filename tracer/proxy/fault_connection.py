@@ -30,10 +30,10 @@ from ..faults.plan import (
 
 if TYPE_CHECKING:
     from .pump import ClientPump
-    from .relay import Tap
 
 from .connection import (
     Connection,
+    ConnectionTap,
     InjectingConnection,
     _abort,
 )
@@ -54,7 +54,9 @@ class FaultConnection(Connection):
     QUEUE_LIMIT = 1 << 20
     plain_client = plain_upstream = False  # every byte goes through the faults
 
-    def __init__(self, tap: Tap, client: asyncio.Transport, pump: ClientPump | None = None) -> None:
+    def __init__(
+        self, tap: ConnectionTap, client: asyncio.Transport, pump: ClientPump | None = None
+    ) -> None:
         super().__init__(tap, client, pump)
         assert tap.fault_plan is not None
         self.faults = ConnectionFaults(tap.fault_plan)
@@ -167,7 +169,7 @@ class FaultConnection(Connection):
         tap = self.tap
         tap.safe_emit(
             ev.FaultInjected(
-                t=now + tap._wall,
+                t=now + tap.wall_offset,
                 m=now,
                 tap=tap.config.name,
                 conn=self.id,
