@@ -10,6 +10,11 @@ class StartError(Exception):
     ``tracer: <what failed>: <why>``, exit 1."""
 
 
+class RunError(Exception):
+    """A command failed at run time for a reason that is not the user's arguments (a
+    picture that could not be drawn): shown as ``tracer: <what failed>``, exit 1."""
+
+
 def start_error(what: str, exc: OSError) -> StartError:
     """``what`` failed because of ``exc``: its reason without the errno noise."""
     why = os.strerror(exc.errno) if exc.errno else (exc.strerror or str(exc))

@@ -6,6 +6,7 @@ records, bad lines, a cut last line, no capture end), not their events.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ..wording import counted
@@ -16,11 +17,14 @@ def _caveats(
     taps: dict[str, dict[str, Any]],
     lost: int,
     packet_losses: list[str] | None = None,
+    *,
+    out_of_range: tuple[int, Mapping[str, int]] = (0, {}),
 ) -> list[dict[str, Any]]:
     """What the captures may be missing, said beside the verdict (``kind``, the figures,
     ``text``): records the writer lost, lines that could not be read, a cut last line, a
     capture with no end (its tap killed, or still writing: what was in flight then is
-    unknown)."""
+    unknown), engine samples dropped for a figure out of its range (``out_of_range``: how
+    many samples, and per figure how many had it out of range: ``evidence/ranges.py``)."""
     out: list[dict[str, Any]] = []
     dropped = max(lost, sum(int(t.get("dropped") or 0) for t in taps.values()))
     if dropped:
@@ -29,6 +33,18 @@ def _caveats(
             "they said is missing from this analysis"
         )
         out.append({"kind": "records_lost", "count": dropped, "text": text})
+    samples, figures = out_of_range
+    if samples:
+        named = ", ".join(f"{k} ({n})" for k, n in sorted(figures.items()))
+        text = f"{counted(samples, 'engine sample')} dropped, a figure out of its range: {named}"
+        out.append(
+            {
+                "kind": "samples_out_of_range",
+                "count": samples,
+                "figures": dict(sorted(figures.items())),
+                "text": text,
+            }
+        )
     for reason in packet_losses or []:
         out.append({"kind": "packet_capture_loss", "text": reason})
     for c in captures:

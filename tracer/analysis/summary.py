@@ -23,6 +23,7 @@ from dataclasses import asdict
 from typing import Any
 
 from .. import events as ev
+from ..evidence.ranges import out_of_range
 from ..redact import redact_target, scrub_text
 from ..times import iso
 from .caveats import _caveats
@@ -129,6 +130,10 @@ class Summary:
         self.client_failures_total = 0
         self.engine_urls: set[str] = set()
         self.health_urls: set[str] = set()
+        # engine samples dropped for a figure out of its range (evidence/ranges.py): the
+        # count of samples, and per figure how many samples had it out of range
+        self.samples_out_of_range = 0
+        self.figures_out_of_range: Counter[str] = Counter()
         self.request_taps: set[str] = set()  # taps that parsed at least one request
         self._totals = _Totals()
         self._closing: dict[ConnKey, bool] = {}
@@ -312,6 +317,11 @@ class Summary:
                 self._finish_connection((event.tap, event.conn))
             case ev.EngineSample():
                 self.engine_urls.add(event.url)
+                bad = out_of_range(event.state, event.deltas, event.interval)
+                if bad:  # not evidence: dropped here, for every reader of the samples
+                    self.samples_out_of_range += 1
+                    self.figures_out_of_range.update(bad)
+                    return
                 self.engine_samples.append(
                     {
                         "t": event.t,
@@ -550,7 +560,13 @@ class Summary:
             lags=self.lags,
         )
         findings, verdict = find(evidence)
-        caveats = _caveats(captures or [], self.taps, self.capture_losses, self.packet_losses)
+        caveats = _caveats(
+            captures or [],
+            self.taps,
+            self.capture_losses,
+            self.packet_losses,
+            out_of_range=(self.samples_out_of_range, self.figures_out_of_range),
+        )
         if caveats:
             verdict["caveats"] = caveats
             if verdict["party"] == "none":  # an all-clear over missing records is not high

@@ -4,16 +4,18 @@
 from __future__ import annotations
 
 import argparse
+import dis
 import importlib
 import os
 import signal
 import sys
+from types import TracebackType
 from typing import Any
 
 from .. import __version__, logs
 from ..arguments import TracerParser, leaf_exception
 from ..capture.files import CaptureError
-from ..errors import StartError
+from ..errors import RunError, StartError
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
@@ -111,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
 def _exit_for(exc: BaseException, args: argparse.Namespace) -> int:
     """What an exception becomes for the user: one line on stderr and an exit code
     (2 usage, 3 input that is not a capture, 1 anything else); never a traceback but at
-    ``--log-level debug``."""
+    ``--log-level debug``, never a library's own message (``_internal``). Usage is a
+    ``ValueError`` that tracer raised itself (``_ours``: its argument checks); one from a
+    library (matplotlib's "Axis limits cannot be NaN or Inf") or from a conversion that
+    failed in tracer's code is a failure at run time, exit 1."""
     leaf = leaf_exception(exc)
     if isinstance(leaf, SystemExit):
         raise leaf
@@ -121,26 +126,60 @@ def _exit_for(exc: BaseException, args: argparse.Namespace) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # nothing more to flush at exit
         return 128 + signal.SIGPIPE
-    if isinstance(leaf, ValueError):
+    if isinstance(leaf, ValueError) and _ours(leaf):
         _say(str(leaf))
         return EXIT_USAGE
     if isinstance(leaf, CaptureError):
         _say(str(leaf))
         return EXIT_INPUT
-    if isinstance(leaf, StartError):
+    if isinstance(leaf, StartError | RunError):
         _say(str(leaf))
     elif isinstance(leaf, OSError):
         where = f"{leaf.filename}: " if leaf.filename else ""
         _say(f"{where}{leaf.strerror or leaf}")
     else:
-        _say(
-            f"internal error: {type(leaf).__name__}: {leaf} (a bug; --log-level debug shows where)"
-        )
+        _say(f"internal error: {_internal(leaf)} (a bug; --log-level debug shows where)")
     if args.log_level == "debug":
         import traceback
 
         traceback.print_exception(leaf, file=sys.stderr)
     return EXIT_RUNTIME
+
+
+def _raised_at(exc: BaseException) -> TracebackType | None:
+    """The traceback entry where ``exc`` was raised (its innermost frame)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb
+
+
+def _package(tb: TracebackType | None) -> str:
+    """The top-level package of the code at ``tb`` ("" when unknown)."""
+    if tb is None:
+        return ""
+    return str(tb.tb_frame.f_globals.get("__name__") or "").partition(".")[0]
+
+
+_RAISE = dis.opmap["RAISE_VARARGS"]
+
+
+def _ours(exc: BaseException) -> bool:
+    """``exc`` came from a ``raise`` statement in tracer's own code: a check that said what
+    is wrong (not a library's error, nor ``int("x")`` failing inside tracer)."""
+    tb = _raised_at(exc)
+    if tb is None or _package(tb) != "tracer":
+        return False
+    return tb.tb_frame.f_code.co_code[tb.tb_lasti] == _RAISE
+
+
+def _internal(exc: BaseException) -> str:
+    """An unexpected error in one line: tracer's own message, or for an error raised in
+    a library its type and the library (its message is for its own developers)."""
+    package = _package(_raised_at(exc))
+    if package in ("tracer", ""):
+        return f"{type(exc).__name__}: {exc}"
+    return f"{type(exc).__name__} in {package}"
 
 
 def _say(text: str) -> None:

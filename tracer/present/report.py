@@ -22,6 +22,7 @@ from typing import Any
 
 from ..analysis.summary import Summary
 from ..atomic import write_atomically
+from ..errors import RunError
 from ..times import parse_time
 from .analyze import incident_arguments, packet_arguments, packet_options
 from .report_document import build, load, to_json
@@ -89,7 +90,15 @@ def _write(args: argparse.Namespace, summary: Summary, captures: list[dict[str, 
     )
     from .timeline_draw import draw
 
-    draw(timeline, svg, png)
+    try:
+        draw(timeline, svg, png)
+    except OSError:
+        raise  # the disk's reason, said as such
+    except Exception as exc:  # a bug in the picture, never the user's arguments
+        raise RunError(
+            f"{svg.name}: the timeline picture could not be drawn ({type(exc).__name__}; "
+            "a bug: --log-level debug shows where)"
+        ) from exc
     write_atomically(output, to_markdown(doc).encode())
     written = [str(output), str(svg), str(png)]
     if args.json:

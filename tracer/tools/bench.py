@@ -52,6 +52,7 @@ import httpx
 import orjson
 
 from .. import __version__
+from ..errors import StartError
 from ..wording import counted
 from .bench_figures import figures as figures  # (re-exported: the tests')
 from .bench_idle import check_idle as check_idle  # (re-exported: the tests')
@@ -329,7 +330,7 @@ def _discover_model(target: Target, headers: Sequence[tuple[str, str]]) -> str:
         models = response.json()["data"]
         return str(models[0]["id"])
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
-        raise ValueError(f"cannot learn the model from {url} ({exc}); pass --model") from None
+        raise StartError(f"cannot learn the model from {url} ({exc}); pass --model") from None
 
 
 def run(args: argparse.Namespace) -> int:
