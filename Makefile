@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench soak clean compiled
+.PHONY: venv demo test lint bench soak kill-soak clean compiled
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -55,6 +55,12 @@ bench: compiled
 # 10 minutes at C=256 of mixed traffic through the tap: records lost, RSS and descriptors.
 soak: compiled
 	$(BIN)/python -m bench.soak --duration 600 --concurrency 256
+	$(BIN)/python -m bench.kill_soak --kills 20
+
+# kill -9 of a loaded tap at 20 random moments (seeded): every capture reads, and every
+# request completed more than FLUSH_INTERVAL + 0.5 s before the kill is in it (~1 minute).
+kill-soak: compiled
+	$(BIN)/python -m bench.kill_soak --kills 20
 
 clean:
 	rm -rf $(VENV) demo-out bench-out build
