@@ -219,12 +219,19 @@ class CaptureEnd(Event):
 @_register
 @dataclass(slots=True, kw_only=True)
 class CaptureLoss(Event):
-    """Records the writer could not write (disk full or too slow)."""
+    """Records the writer could not write (disk full or too slow), or what a packet
+    capture missed (``reason`` begins "packet capture"). A writer's loss says when its
+    records were dropped: ``first_t``/``last_t`` (wall clock) bound the window in which the
+    tap's records are missing, and ``resumed`` whether writing went on after it (False:
+    written from the reserve at the capture's end, the disk still full)."""
 
     TYPE: ClassVar[str] = "capture_loss"
     dropped: int
     dropped_bytes: int
     reason: str
+    first_t: float | None = None
+    last_t: float | None = None
+    resumed: bool | None = None
 
 
 @_register
@@ -434,6 +441,7 @@ class Anomaly(Event):
     direction: Direction
     error: str
     offset: int  # bytes of that direction seen before the failure
+    gap: int | None = None  # a packet capture's missing bytes (not a parse failure)
 
 
 @_register

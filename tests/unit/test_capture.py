@@ -10,6 +10,7 @@ import threading
 import time
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -369,3 +370,108 @@ def test_compressed_segments_are_read_like_plain_ones(tmp_path: Path) -> None:
     for seg in segments:
         read_into(seg, count)
     assert conns == 200
+
+
+class _FullDisk:
+    """os.write on a disk that fills when told to: nothing fits while the capture's
+    reserve still holds its space; removing the reserve (or ``room``) makes room."""
+
+    def __init__(self, reserve: Path) -> None:
+        self.reserve = reserve
+        self.real = os.write
+        self.full = threading.Event()
+
+    def write(self, fd: int, data: bytes | memoryview) -> int:
+        if self.full.is_set() and self.reserve.exists():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.real(fd, data)
+
+
+def _wait(predicate: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 10
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert predicate()
+
+
+def test_a_full_disk_still_ends_the_capture_from_its_reserve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills and stays full: the writer frees its reserve at the end for the
+    capture_loss (its count and window, not resumed) and capture_end, and keeps no
+    reserve file behind."""
+    path = tmp_path / "cap.jsonl"
+    writer = CaptureWriter(path, flush_interval=0.001)
+    reserve = tmp_path / ".cap.jsonl.reserve"
+    assert reserve.stat().st_size == writer.reserve_bytes > 0
+    disk = _FullDisk(reserve)
+    monkeypatch.setattr(os, "write", disk.write)
+    writer.write(start_event())
+    for i in range(5):
+        writer.write(open_event(i))
+    _wait(lambda: writer.written == 6)
+    disk.full.set()
+    for i in range(5, 15):
+        writer.write(open_event(i))
+    _wait(lambda: writer.dropped == 10)
+    assert writer.failing
+    writer.finish("t", "done")
+    records = list(read_records(path))
+    assert [r["type"] for r in records[-2:]] == ["capture_loss", "capture_end"]
+    loss, end = records[-2:]
+    assert loss["dropped"] == 10 and loss["resumed"] is False
+    assert loss["first_t"] <= loss["last_t"]
+    assert end["dropped"] == 10 and end["records"] == len(records)
+    assert len([r for r in records if r["type"] == "conn_open"]) == 5
+    assert not reserve.exists()
+
+
+def test_writing_resumes_when_space_returns_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "cap.jsonl"
+    writer = CaptureWriter(path, flush_interval=0.001)
+    disk = _FullDisk(tmp_path / ".cap.jsonl.reserve")
+    monkeypatch.setattr(os, "write", disk.write)
+    writer.write(start_event())
+    _wait(lambda: writer.written == 1)
+    disk.full.set()
+    for i in range(4):
+        writer.write(open_event(i))
+    _wait(lambda: writer.dropped == 4)
+    disk.full.clear()  # space came back
+    writer.write(open_event(99))
+    _wait(lambda: writer.written >= 2)
+    assert not writer.failing
+    writer.finish("t", "done")
+    records = list(read_records(path))
+    losses = [r for r in records if r["type"] == "capture_loss"]
+    assert len(losses) == 1 and losses[0]["resumed"] is True and losses[0]["dropped"] == 4
+    assert records[-1]["type"] == "capture_end" and records[-1]["dropped"] == 4
+    assert [r["conn"] for r in records if r["type"] == "conn_open"] == [99]
+
+
+def test_a_line_cut_by_a_failed_write_is_told_from_a_kill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record half written when the disk filled is a bad line followed by the
+    capture_loss the writer wrote once it could (``torn_at_loss``); a torn last line is
+    a kill's (``torn_tail``)."""
+    disk = _Disk(["ok", "half", "ok"])
+    monkeypatch.setattr(os, "write", disk.write)
+    path = tmp_path / "cap.jsonl"
+    writer = CaptureWriter(path, flush_interval=0.001)
+    writer.write(start_event())
+    for batch in range(3):
+        for i in range(3):
+            writer.write(open_event(batch * 3 + i))
+        _wait(lambda b=batch: disk.batch > b)  # type: ignore[misc]
+    writer.finish("t", "done")
+    stats = ReadStats()
+    list(read_records(path, stats))
+    assert stats.bad_lines == stats.torn_at_loss == 1 and not stats.torn_tail
+    with open(path, "ab") as fh:
+        fh.write(b'{"type":"conn_open","t":1')  # then killed mid-record
+    stats = ReadStats()
+    list(read_records(path, stats))
+    assert stats.torn_tail and stats.torn_at_loss == 1

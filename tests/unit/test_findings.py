@@ -433,6 +433,51 @@ def test_request_lost_in_the_serving_stack() -> None:
     assert (v["party"], v["kind"]) == ("engine", "engine_lost_request")
 
 
+def _lost_records(cap: Cap, first: float, last: float, dropped: int = 40) -> None:
+    """A capture_loss record: the tap's writer dropped records from ``first`` to ``last``."""
+    cap.events.append(
+        ev.CaptureLoss(
+            t=cap.t0 + last + 0.1,
+            m=cap.t0 + last + 0.1,
+            tap=cap.tap,
+            dropped=dropped,
+            dropped_bytes=dropped * 300,
+            reason="OSError: No space left on device",
+            first_t=cap.t0 + first,
+            last_t=cap.t0 + last,
+            resumed=True,
+        )
+    )
+
+
+@pytest.mark.parametrize("window", [(0.5, 3.0), (-2.0, -0.5)])
+def test_a_request_open_while_the_capture_lost_records_is_unknown_not_a_fault(
+    window: tuple[float, float],
+) -> None:
+    """The same silence as engine_lost_request: while the tap's writer was dropping
+    records it is the capture's loss (capture_lost, unknown, the window quoted); a loss
+    that ended before the request began leaves the finding as it was."""
+    cap = Cap(upstream=ROUTER)
+    cap.exchange(1, 1, 0.0, end=None)
+    cap.stall(1, 1, 0.0, None)
+    cap.exchange(2, 1, 0.2)  # completed within the window: not set aside
+    for t in range(0, 12):
+        cap.engine(float(t), running=0, delta=0)
+        cap.engine(float(t), running=0, url=ROUTER + "/metrics", profile="smg", in_flight=1)
+    _lost_records(cap, *window)
+    result = analyze(cap)
+    v = result["verdict"]
+    if window[1] < 0:
+        assert (v["party"], v["kind"]) == ("engine", "engine_lost_request")
+        return
+    assert (v["party"], v["kind"]) == ("unknown", "capture_lost")
+    lost = verdict_finding(result)
+    assert lost["requests"] == ["front/1/1"]
+    assert not [f for f in result["findings"] if f["party"] in ("engine", "proxy", "client")]
+    assert evidence(lost, dropped=40, first_t=1000.5, last_t=1003.0, resumed=True)
+    assert result["totals"]["capture_records_lost"] == 40
+
+
 def test_two_taps_place_the_hang_between_them() -> None:
     front = Cap("front", upstream=PROXY)
     back = Cap("back", upstream=ROUTER, t0=1000.0)

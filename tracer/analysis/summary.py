@@ -113,6 +113,7 @@ class Summary:
         )
         self.taps: dict[str, dict[str, Any]] = {}
         self.capture_losses = 0
+        self.loss_windows: list[dict[str, Any]] = []  # when each tap's writer dropped records
         self.packet_losses: list[str] = []  # what a packet capture says it missed
         self.events = 0
         self.late_events = 0  # events for a row already written out: counted, ignored
@@ -421,6 +422,16 @@ class Summary:
                     self.packet_losses.append(f"tap {event.tap}: {event.reason}")
             case ev.CaptureLoss():
                 self.capture_losses += event.dropped
+                self.loss_windows.append(
+                    {
+                        "tap": event.tap,
+                        "first": event.first_t,
+                        "last": event.last_t if event.last_t is not None else event.t,
+                        "dropped": event.dropped,
+                        "reason": event.reason,
+                        "resumed": event.resumed,
+                    }
+                )
             case _:
                 if event.TYPE == "fault":  # injected by the tap itself (--fault)
                     record = event.to_record()
@@ -558,6 +569,7 @@ class Summary:
             client_failures=self.client_failures,
             client_failures_total=self.client_failures_total,
             lags=self.lags,
+            losses=self.loss_windows,
         )
         findings, verdict = find(evidence)
         caveats = _caveats(

@@ -6,14 +6,19 @@ on the caller's thread (cheap) and copied at once onto the end of one in-memory 
 ``bytearray`` bounded in bytes (keeping each encoded line alive as its own object instead
 costs several times the encoding: a fresh allocation per record), and a background
 thread writes batches with ``os.write``. When the batch is full (disk slow)
-or a write fails (disk full), records are dropped and counted; the count is written as
-a ``capture_loss`` record as soon as writing works again, and in ``capture_end``. After
-``kill -9`` everything flushed so far is on disk; the reader skips a torn line.
+or a write fails (disk full), records are dropped and counted, with the window of time
+they came from; the count and the window are written as a ``capture_loss`` record as
+soon as writing works again (``resumed``), and in ``capture_end``. The writer keeps a
+reserve beside the capture (``Reserve``): at the end, if the disk is still full, it frees
+it to write the last ``capture_loss`` and ``capture_end``, so that a full disk is told
+apart from a kill. After ``kill -9`` everything flushed so far is on disk; the reader
+skips a torn line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import threading
@@ -46,10 +51,12 @@ __all__ = [  # the writer, and the reader's names re-exported
     "FLUSH_INTERVAL",
     "MAX_PENDING_BYTES",
     "PACKETS",
+    "RESERVE_BYTES",
     "CaptureError",
     "CaptureWriter",
     "PacketOptions",
     "ReadStats",
+    "Reserve",
     "boot_id",
     "compress_segment",
     "encode_line",
@@ -68,6 +75,7 @@ log = structlog.get_logger("tracer.capture.files")
 
 FLUSH_INTERVAL = 0.05
 MAX_PENDING_BYTES = 32 * 1024 * 1024
+RESERVE_BYTES = 64 * 1024  # room kept for the last records: far more than they take
 
 _OPTS = orjson.OPT_APPEND_NEWLINE
 
@@ -88,6 +96,51 @@ def boot_id() -> str | None:
 def encode_line(record: dict[str, Any]) -> bytes:
     """One record as one JSON line (UTF-8, compact, newline-terminated)."""
     return orjson.dumps(record, option=_OPTS)
+
+
+class Reserve:
+    """Disk space held for a capture's last records: a hidden file beside it
+    (``.NAME.reserve``), allocated at start and removed at the end. When the disk filled,
+    removing it first makes room for the ``capture_loss`` and ``capture_end`` records, so
+    the capture says how much it lost and that its tap stopped, instead of ending like a
+    killed tap's. A disk full already at start gets no reserve (``size`` 0)."""
+
+    def __init__(self, capture: Path, size: int = RESERVE_BYTES) -> None:
+        self.path = capture.with_name(f".{capture.name}.reserve")
+        self.size = 0
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(self.path, flags, 0o600)
+        except OSError as exc:
+            log.warning("capture reserve not made", path=str(self.path), error=str(exc))
+            return
+        try:
+            _allocate(fd, size)
+            self.size = size
+        except OSError as exc:
+            log.warning("capture reserve not allocated", path=str(self.path), error=str(exc))
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+        finally:
+            os.close(fd)
+
+    def release(self) -> int:
+        """Free the space (once); how many bytes that gave back."""
+        size, self.size = self.size, 0
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        return size
+
+
+def _allocate(fd: int, size: int) -> None:
+    """Blocks really taken on disk (not a sparse file), where the system can say so."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.write(fd, bytes(size))
+        os.fsync(fd)
 
 
 class CaptureWriter:
@@ -115,6 +168,7 @@ class CaptureWriter:
             _check_append(self.path, append)
         self._fd = os.open(self.path, flags, 0o600)
         self._start_size = os.fstat(self._fd).st_size  # discard() cuts an --append back to it
+        self._reserve = Reserve(self.path)
         if append is not None:
             with contextlib.suppress(OSError):
                 os.fchmod(self._fd, 0o600)
@@ -140,8 +194,15 @@ class CaptureWriter:
         self.dropped = 0
         self.dropped_bytes = 0
         self._loss_reported = 0
+        self._loss_bytes_reported = 0
+        # the wall-clock window of the records dropped since the last capture_loss
+        self._loss_first_t: float | None = None
+        self._loss_last_t: float | None = None
+        self._batch_t0: float | None = None  # the first queued record's time
+        self._end: tuple[str, str] | None = None  # finish(): capture_end's tap and reason
         self._torn = False
         self._last_error: str | None = None
+        self.failing = False  # the last write failed: records are being lost now
         self._tap = ""
         self._sharing = BodySharing()
         self._share_lock = threading.Lock()
@@ -182,13 +243,29 @@ class CaptureWriter:
             if (len(batch) + size > self._max_pending and not force) or self._stop:
                 self.dropped += 1
                 self.dropped_bytes += size
+                self._lost_between(_record_t(record), time.time())
                 return False
             batch += line
             self._batch_records += 1
             first = self._batch_records == 1
+            if first:
+                self._batch_t0 = _record_t(record)
         if first:
             self._wake.set()
         return True
+
+    def _lost_between(self, first: float | None, last: float) -> None:
+        """Widen the window of the records lost since the last ``capture_loss``."""
+        start = first if first is not None and first <= last else last
+        if self._loss_first_t is None or start < self._loss_first_t:
+            self._loss_first_t = start
+        if self._loss_last_t is None or last > self._loss_last_t:
+            self._loss_last_t = last
+
+    @property
+    def reserve_bytes(self) -> int:
+        """Disk space still held for the last records (0 once used or never had)."""
+        return self._reserve.size
 
     @property
     def pending_bytes(self) -> int:
@@ -203,64 +280,132 @@ class CaptureWriter:
                 self._closing.wait(self._interval)  # a batch builds up: fewer, larger writes
             self._wake.clear()
             with self._lock:
-                batch, records = self._batch, self._batch_records
+                batch, records, t0 = self._batch, self._batch_records, self._batch_t0
                 self._batch, self._batch_records = bytearray(), 0
                 stopping = self._stop  # read after the swap: nothing can be queued after it
             if batch:
-                self._write_batch(batch, records)
+                self._write_batch(batch, records, t0)
             if not stopping and self._rotation_due():
                 self._rotate()
             if stopping:
+                self._write_end()
                 return
 
-    def _write_batch(self, batch: bytearray, records: int) -> None:
-        lost = self.dropped - self._loss_reported
-        if lost and self._tap:
-            now_m = time.monotonic()
-            loss = ev.CaptureLoss(
-                t=time.time(),
-                m=now_m,
-                tap=self._tap,
-                dropped=lost,
-                dropped_bytes=self.dropped_bytes,
-                reason=self._last_error or "writer too slow",
-            )
+    def _loss_record(self, *, resumed: bool) -> tuple[bytes, int, int]:
+        """The ``capture_loss`` line for what was dropped since the last one (empty when
+        nothing was), and the counts it reports."""
+        with self._lock:
+            lost = self.dropped - self._loss_reported
+            lost_bytes = self.dropped_bytes - self._loss_bytes_reported
+            first, last = self._loss_first_t, self._loss_last_t
+        if not lost or not self._tap:
+            return b"", 0, 0
+        loss = ev.CaptureLoss(
+            t=time.time(),
+            m=time.monotonic(),
+            tap=self._tap,
+            dropped=lost,
+            dropped_bytes=lost_bytes,
+            reason=self._last_error or "writer too slow",
+            first_t=first,
+            last_t=last,
+            resumed=resumed,
+        )
+        return encode_line(loss.to_record()), lost, lost_bytes
+
+    def _reported(self, lost: int, lost_bytes: int) -> None:
+        """A ``capture_loss`` line is on disk: its counts and window are told."""
+        with self._lock:
+            self._loss_reported += lost
+            self._loss_bytes_reported += lost_bytes
+            if self._loss_reported == self.dropped:
+                self._loss_first_t = self._loss_last_t = None
+
+    def _write_batch(self, batch: bytearray, records: int, t0: float | None = None) -> None:
+        line, lost, lost_bytes = self._loss_record(resumed=True)
+        loss_end = 0
+        if line:
             # ahead of the batch, but never ahead of the capture_start header
             at = batch.find(b"\n") + 1 if self.written == 0 else 0
-            batch[at:at] = encode_line(loss.to_record())
-            loss_end = at + len(encode_line(loss.to_record()))
-        else:
-            loss_end = 0
-        if self._torn:
+            batch[at:at] = line
+            loss_end = at + len(line)
+        torn = self._torn
+        if torn:
             batch[:0] = b"\n"  # end the torn fragment so the next record parses
             loss_end += 1 if loss_end else 0
-        view = memoryview(batch)
+        done, error = self._write(batch)
+        if error is not None:
+            self._shared_unsure = True
+            # Records wholly unwritten are lost; a partly written one is torn (lost too).
+            # Lines that are not records: the torn fragment's end and the loss line.
+            unwritten = memoryview(batch)[done:]
+            not_records = (torn and done == 0) + (bool(loss_end) and done < loss_end)
+            lost_lines = max(0, unwritten.tobytes().count(b"\n") - not_records)
+            with self._lock:
+                self.dropped += lost_lines
+                self.dropped_bytes += len(unwritten)
+                self._lost_between(t0, time.time())
+            self.written += max(0, records - lost_lines)
+            if lost and loss_end and done >= loss_end:
+                self._reported(lost, lost_bytes)  # the capture_loss record itself is on disk
+            return
+        self._segment_bytes += len(batch)
+        self.written += records
+        if lost:
+            self._reported(lost, lost_bytes)
+
+    def _write(self, data: bytearray | bytes) -> tuple[int, OSError | None]:
+        """Write it all, or as much as the disk takes: (bytes written, the error)."""
+        view = memoryview(data)
         try:
             while view:
                 n = os.write(self._fd, view)
                 view = view[n:]
         except OSError as exc:
-            self._shared_unsure = True
-            done = len(batch) - len(view)
+            done = len(data) - len(view)
             if done:  # what is on disk now ends mid-record or not; nothing written: as before
-                self._torn = batch[done - 1 : done] != b"\n"
-            # Records wholly unwritten are lost; a partly written one is torn.
-            lost_lines = view.tobytes().count(b"\n")
-            with self._lock:
-                self.dropped += lost_lines
-                self.dropped_bytes += len(view)
-            if lost and loss_end and done >= loss_end:
-                self._loss_reported += lost  # the capture_loss record itself is on disk
-            if self._last_error is None:
+                self._torn = data[done - 1 : done] != b"\n"
+            if not self.failing:
                 log.warning("capture write failed; records dropped", error=str(exc))
+            self.failing = True
             self._last_error = f"{type(exc).__name__}: {exc.strerror or exc}"
-            return
+            return done, exc
+        if self.failing:
+            log.warning("capture writing again", dropped=self.dropped)
+        self.failing = False
         self._torn = False
         self._last_error = None
-        self._segment_bytes += len(batch)
-        self.written += records
-        if lost:
-            self._loss_reported += lost
+        return len(data), None
+
+    def _write_end(self) -> None:
+        """The capture's last lines after ``finish()``: a ``capture_loss`` for what is
+        not yet told, and ``capture_end``. If the disk is still full, the reserve is
+        freed for them (a capture_loss written then says ``resumed`` false)."""
+        if self._end is None:
+            return
+        tap, reason = self._end
+        for attempt in range(2):
+            failing = self.failing
+            line, lost, lost_bytes = self._loss_record(resumed=not failing)
+            end = ev.CaptureEnd(
+                t=time.time(),
+                m=time.monotonic(),
+                tap=tap,
+                records=self.written + 1 + (1 if line else 0),
+                dropped=self.dropped,
+                reason=reason,
+            )
+            data = (b"\n" if self._torn else b"") + line + encode_line(end.to_record())
+            if attempt == 0 and failing and self._reserve.release():
+                log.warning("capture reserve used for the last records", dropped=self.dropped)
+            _, error = self._write(data)
+            if error is None:
+                self.written += 1 + (1 if line else 0)
+                if line:
+                    self._reported(lost, lost_bytes)
+                return
+            if not self._reserve.release():
+                return  # the reserve is gone too: what reached the disk stays
 
     def _rotation_due(self) -> bool:
         if self._max_bytes is None and self._max_age is None:
@@ -338,6 +483,7 @@ class CaptureWriter:
         self._thread.join(timeout)
         with contextlib.suppress(OSError):
             os.close(self._fd)
+        self._reserve.release()
         for thread in self._compressors:
             thread.join(timeout)
 
@@ -355,20 +501,16 @@ class CaptureWriter:
                 self.path.unlink()
 
     def finish(self, tap: str, reason: str) -> None:
-        """Write ``capture_end`` (with the counts) and close."""
-        now = time.monotonic()
-        self.write(
-            ev.CaptureEnd(
-                t=time.time(),
-                m=now,
-                tap=tap,
-                records=self.written + self._batch_records + 1,
-                dropped=self.dropped,
-                reason=reason,
-            ),
-            force=True,
-        )
+        """Write ``capture_end`` (with the final counts, after the last batch: from the
+        reserve if the disk is full) and close."""
+        self._tap = self._tap or tap
+        self._end = (tap, reason)
         self.close()
+
+
+def _record_t(record: dict[str, Any]) -> float | None:
+    t = record.get("t")
+    return float(t) if isinstance(t, int | float) and not isinstance(t, bool) else None
 
 
 def _check_append(path: Path, tap: str) -> None:

@@ -26,6 +26,9 @@ class ReadStats:
     unknown_types: int = 0
     version: int | None = None
     torn_tail: bool = False
+    # bad lines right before a capture_loss: records cut when a write failed (the disk
+    # full), which the writer ended when it could write again — not a kill
+    torn_at_loss: int = 0
     bodies_unresolved: int = 0  # kept bodies lost with the record their prefix was in
     headers: list[dict[str, Any]] = field(default_factory=list)
     lines: int = 0  # lines read so far (the line number of the last one)
@@ -47,6 +50,7 @@ class ReadStats:
             "bad_lines": self.bad_lines,
             **({"problems": self.problems} if self.problems else {}),
             "torn_tail": self.torn_tail,
+            **({"torn_at_loss": self.torn_at_loss} if self.torn_at_loss else {}),
             "bodies_unresolved": self.bodies_unresolved,
             "version": self.version,
         }
@@ -157,11 +161,19 @@ def read_records(
     """
     stats = stats if stats is not None else ReadStats()
     with _open_capture_file(path) as fh:
-        yield from _read_lines(fh, stats, str(path))
+        try:
+            yield from _read_lines(fh, stats, str(path))
+        except Exception as exc:  # a .zst segment that does not decompress: not a capture
+            import zstandard
+
+            if not isinstance(exc, zstandard.ZstdError):
+                raise
+            raise CaptureError(f"{path}: not a readable zstd segment ({exc})") from None
 
 
 def _read_lines(fh: Any, stats: ReadStats, name: str) -> Iterator[dict[str, Any]]:
     first = True
+    after_bad = False  # the line before was not JSON (torn, if a capture_loss follows)
     for raw in fh:
         stats.lines += 1
         if not raw.endswith(b"\n"):
@@ -175,9 +187,13 @@ def _read_lines(fh: Any, stats: ReadStats, name: str) -> Iterator[dict[str, Any]
                 record = orjson.loads(raw)
             except ValueError:
                 stats.bad_lines += 1
+                after_bad = True
                 if len(stats.problems) < MAX_PROBLEMS:
                     stats.problems.append(f"line {stats.lines}: not JSON")
                 continue
+        if after_bad and isinstance(record, dict) and record.get("type") == "capture_loss":
+            stats.torn_at_loss += 1
+        after_bad = False
         if not isinstance(record, dict):
             stats.bad_lines += 1
             if len(stats.problems) < MAX_PROBLEMS:

@@ -36,6 +36,7 @@ from ..capture.files import (
     read_events,
     read_records,
 )
+from ..wording import counted
 
 EXIT_INPUT = 3
 _SEGMENT_OF = ".jsonl"
@@ -63,6 +64,10 @@ class CaptureInfo:
     last_t: float | None = None
     end: dict[str, Any] | None = None
     dropped: int = 0  # records the writer dropped (capture_loss, capture_end)
+    loss_records: int = 0  # the capture_loss records' own counts, added up
+    # the writer's loss windows (first_t, last_t, resumed), as its capture_loss records say
+    loss_windows: list[tuple[float | None, float | None, bool | None]] = field(default_factory=list)
+    packet_losses: list[str] = field(default_factory=list)  # what a packet capture missed
     starts: set[Any] = field(default_factory=set)  # the runs' headers (segments repeat one)
 
     @property
@@ -93,10 +98,15 @@ class CaptureInfo:
             "duration": _span(self.first_t, self.last_t),
             "records": s.records,
             "by_type": dict(sorted(self.types.items())),
-            "records_lost": self.dropped,
+            "records_lost": max(self.dropped, self.loss_records),
+            "loss_windows": [
+                {"first": _iso(a), "last": _iso(b), "resumed": r} for a, b, r in self.loss_windows
+            ],
+            "packet_losses": self.packet_losses,
             "bad_lines": s.bad_lines,
             "problems": s.problems,
             "torn_tail": s.torn_tail,
+            "torn_at_loss": s.torn_at_loss,
             "ended_cleanly": self.end is not None,
             "end_reason": self.end.get("reason") if self.end else None,
             "runs": len(self.starts),
@@ -167,12 +177,23 @@ def _count(info: CaptureInfo, record: dict[str, Any]) -> None:
     elif kind == "capture_end":
         info.end = record
         info.dropped = max(info.dropped, _int(record.get("dropped")))
+    elif kind == "capture_loss" and str(record.get("reason", "")).startswith("packet capture"):
+        if len(info.packet_losses) < 5:  # a packet capture's own losses, not a writer's
+            info.packet_losses.append(str(record["reason"]))
     elif kind == "capture_loss":
-        info.dropped = max(info.dropped, _int(record.get("dropped")))
+        info.loss_records += _int(record.get("dropped"))
+        first, last = _time(record.get("first_t")), _time(record.get("last_t"))
+        resumed = record.get("resumed")
+        info.loss_windows.append((first, last, resumed if isinstance(resumed, bool) else None))
     elif kind == "topology" and info.topology is None:
         info.topology = record
     elif kind == "conn_open" and info.bound is None and isinstance(record.get("local"), str):
         info.bound = record["local"]
+
+
+def _time(value: Any) -> float | None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < 1e11
+    return float(value) if ok else None
 
 
 def _int(value: Any) -> int:
@@ -226,14 +247,34 @@ def text(info: CaptureInfo) -> str:
     lines.append(f"  records   {j['records']}: {shown}" + (f", +{more} kinds" if more > 0 else ""))
     losses = []
     if j["records_lost"]:
-        losses.append(f"{j['records_lost']} records dropped by the writer (disk slow or full)")
+        losses.append(
+            f"{j['records_lost']} records dropped by the tap's capture writer (its disk full "
+            "or too slow)" + _windows(info.loss_windows)
+        )
+    for what in j["packet_losses"]:
+        losses.append(what)  # the packet capture's own words: kernel drops, gaps
     if j["bad_lines"]:
-        losses.append(f"{j['bad_lines']} unreadable lines ({'; '.join(j['problems'][:2])})")
+        torn = j["torn_at_loss"]
+        losses.append(
+            f"{counted(j['bad_lines'], 'unreadable line')} ({'; '.join(j['problems'][:2])})"
+            + (f"; {torn} of them cut when a write failed (a capture_loss follows)" if torn else "")
+        )
     if j["torn_tail"]:
-        losses.append("the last line is torn (written when the tap stopped)")
+        losses.append(
+            "the last line is cut mid-record: the tap was killed while writing it, or is "
+            "still writing"
+        )
     lines.append(f"  losses    {'; '.join(losses) if losses else 'none'}")
     if info.end is not None:
-        lines.append(f"  ended     cleanly ({j['end_reason']})")
+        at_loss = any(r is False for _, _, r in info.loss_windows)
+        lines.append(
+            f"  ended     cleanly ({j['end_reason']})"
+            + (
+                ": its last records written from the reserve, the disk still full"
+                if at_loss
+                else ""
+            )
+        )
     else:
         lines.append(
             "  ended     NO capture_end: the tap was killed or is still writing; what was in "
@@ -242,6 +283,24 @@ def text(info: CaptureInfo) -> str:
     if j["runs"] > 1:
         lines.append(f"  runs      {j['runs']} (extended with --append)")
     return "\n".join(lines) + "\n"
+
+
+def _windows(windows: list[tuple[float | None, float | None, bool | None]]) -> str:
+    """When the writer's records were lost, as its capture_loss records say."""
+    said = [
+        f"{_clock(a)} to {_clock(b)}"
+        + (", writing resumed" if r else ", not resumed before the end" if r is False else "")
+        for a, b, r in windows
+        if a is not None and b is not None
+    ]
+    if not said:
+        return ""
+    more = f" and {len(said) - 3} more" if len(said) > 3 else ""
+    return " from " + "; ".join(said[:3]) + more
+
+
+def _clock(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%H:%M:%S.%f")[:-3]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

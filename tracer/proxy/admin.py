@@ -152,6 +152,16 @@ class _TapCollector:
             "Capture records lost (disk full or slow).",
             cap.dropped if cap else 0,
         )
+        yield counter(
+            "tracer_capture_bytes_dropped",
+            "Capture bytes lost (disk full or slow).",
+            cap.dropped_bytes if cap else 0,
+        )
+        yield gauge(
+            "tracer_capture_failing",
+            "1 while the capture's last write failed (records are being lost).",
+            int(cap.failing) if cap else 0,
+        )
         yield gauge(
             "tracer_capture_pending_bytes",
             "Capture bytes waiting for the writer.",
@@ -468,6 +478,20 @@ class AdminServer:
             "anomalies": stats.anomalies,
             "upstream_connect_failures": stats.upstream_connect_failures,
         }
+        cap = tap.capture
+        status["capture"] = (
+            None
+            if cap is None
+            else {
+                "path": str(cap.path),
+                "written": cap.written,
+                "dropped": cap.dropped,
+                "dropped_bytes": cap.dropped_bytes,
+                "pending_bytes": cap.pending_bytes,
+                "failing": cap.failing,  # the last write failed: records are lost now
+                "reserve_bytes": cap.reserve_bytes,
+            }
+        )
         status["engines"] = self.live.engines(now)
         status["recent"] = self.live.recent_events(now)
         return status

@@ -61,6 +61,9 @@ class Evidence:
     client_failures_total: int = 0
     # windows where a tap's own event loop ran late (``tap_lag`` records, wall times)
     lags: list[dict[str, Any]] = field(default_factory=list)
+    # windows where a tap's capture writer dropped records (``capture_loss``: tap, first,
+    # last, dropped, reason, resumed; wall times)
+    losses: list[dict[str, Any]] = field(default_factory=list)
     # filled by ``find``: adjacent taps, client side first, with the median of t(b) - t(a)
     # over the requests both saw (clock offset plus the hop's transit time)
     tap_pairs: list[dict[str, Any]] = field(default_factory=list)
