@@ -203,6 +203,9 @@ class CaptureStart(Event):
     # absent: not declared (the ``topology`` record that follows says what was inferred)
     upstream_role: str | None = None  # engine | router | proxy
     client_facing: bool | None = None  # the harness connects to this tap directly
+    # the run's nonce, on the tap's own requests (``x-tracer-probe``): a tap behind it
+    # leaves such a request out of its tables only when this capture vouches for it
+    probe_nonce: str | None = None
 
 
 @_register

@@ -4,6 +4,8 @@ a silent upstream, a transparent hop) and the `topology` record of a real tap.""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from tests.support.tap import RawUpstream, UpConn, running_tap
 from tracer import events as ev
 from tracer.capture.files import read_records
 from tracer.evidence import topology as T
+from tracer.protocol.probe_mark import RUN_NONCE, ProbeClaim, parse_probe
 
 DATA = Path(__file__).parent.parent / "data" / "topology"
 
@@ -125,14 +128,38 @@ async def test_a_transparent_hop_is_caught_by_the_port_and_sees_the_probe_header
     ):
         [record] = await front.wait_for(ev.Topology)
         seen = await back.wait_for(ev.RequestHead, count=2)
+        # clients sending the header themselves: a tap's marker, forged, and an empty one
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front.port}") as client:
+            for value in ("topology", "topology; tap=front", ""):
+                reply = await client.get("/v1/models", headers={"X-Tracer-Probe": value})
+                assert reply.status_code == 200
+        await back.wait_for(ev.ResponseEnd, count=5)
     # the hop passes the engine's answers through; the engine's own port gives it away
     assert (record.upstream_role, record.basis) == ("unknown", "unknown")
     assert record.server["kind"] == "sglang"
     assert f"the tap connects to port {back.port}" in record.evidence[-1]
-    # the tap behind sees the fingerprint, marked as the front tap's own requests
+    # the tap behind sees the fingerprint, marked with the front tap's run nonce
     assert [r.target for r in seen] == ["/get_server_info", "/readiness"]
     for r in seen:
-        assert [v for k, v in r.headers if k == T.PROBE_HEADER] == ["topology; tap=front"]
+        [value] = [v for k, v in r.headers if k == T.PROBE_HEADER]
+        assert parse_probe(value) == ProbeClaim("topology", "front", RUN_NONCE)
+    # analysed together (the tap behind first: its probes are vouched for by the front
+    # tap's capture whatever the order), the fingerprint is the front tap's own; the
+    # clients' requests stay theirs at both taps, with a note
+    argv = ["analyze", str(back.capture), str(front.capture), "--format", "json"]
+    out = subprocess.run(
+        [sys.executable, "-m", "tracer", *argv],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    result = json.loads(out.stdout)
+    assert result["totals"]["tap_own_requests"] == 2
+    rows = [(r["tap"], r["target"]) for r in result["requests"]]
+    assert rows.count(("front", "/v1/models")) == 3 and rows.count(("back", "/v1/models")) == 3
+    assert ("back", "/readiness") not in rows
+    [note] = [f for f in result["findings"] if f["kind"] == "probe_header_unvouched"]
+    assert note["note"] and note["evidence"][0]["figures"]["requests"] == 6
 
 
 async def _topology_of(capture: Path) -> list[dict[str, Any]]:

@@ -1499,12 +1499,17 @@ def test_a_declared_engine_upstream_makes_a_lost_request_the_engines() -> None:
 
 
 def test_a_taps_own_probe_seen_behind_it_is_not_client_traffic() -> None:
-    """The front tap's probe (x-tracer-probe) passes the back tap: not a request there."""
+    """The front tap's probe (x-tracer-probe, with its run's nonce, which its capture
+    vouches for) passes the back tap: not a request there."""
+    front = Cap("front", upstream="http://127.0.0.1:9")
+    start = front.events[0]
+    assert isinstance(start, ev.CaptureStart)
+    start.probe_nonce = "N1"
     back = Cap("back", upstream=ENGINE)
-    back.exchange(1, 1, 0.0, headers=[["x-tracer-probe", "front"]], end=None)
+    back.exchange(1, 1, 0.0, headers=[["x-tracer-probe", "probe; tap=front; nonce=N1"]], end=None)
     back.stall(1, 1, 0.0, None)
     back.exchange(1, 2, 1.0)
-    result = analyze(back)
+    result = analyze(front, back)
     assert [r["id"] for r in result["requests"]] == ["back/1/2"]
     assert result["totals"]["tap_own_requests"] == 1
     (conn,) = result["connections"]

@@ -10,6 +10,7 @@ import h11
 import pytest
 
 from tracer.evidence import topology as T
+from tracer.protocol.probe_mark import probe_value
 
 DATA = Path(__file__).parent.parent / "data" / "topology"
 
@@ -247,7 +248,7 @@ def test_an_answer_fed_one_byte_at_a_time_is_the_same() -> None:
     exchange = T.Exchange(h11.Connection(h11.CLIENT), "/readiness", "h:1")
     request = exchange.request()
     assert request.startswith(b"GET /readiness HTTP/1.1\r\n") and b"topology-fingerprint" in request
-    assert b"\r\nx-tracer-probe: topology; tap=tap\r\n" in request
+    assert f"\r\nx-tracer-probe: {probe_value('topology', 'tap')}\r\n".encode() in request
     got = [exchange.feed(raw[i : i + 1]) for i in range(len(raw))]
     assert all(a is None for a in got[:-1])
     assert got[-1] == T.answer_from_bytes("/readiness", raw)

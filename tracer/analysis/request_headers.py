@@ -1,4 +1,5 @@
-"""The request headers the analysis reads: the SDK's retry count, a tap's own probe.
+"""The request headers the analysis reads: the SDK's retry count (a tap's own probe
+header is ``protocol/probe_mark``'s).
 
 Apart from the fold (``summary``) because they are facts of the clients and the taps
 (header names and their spelling), not of the rows.
@@ -9,9 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 RETRY_HEADER = "x-stainless-retry-count"  # sent by the openai SDKs on every attempt
-# a tap's own request (a probe on stall, the topology fingerprint), naming the tap: seen
-# by the taps behind it, it is not the client's traffic and stays out of the tables
-PROBE_HEADER = "x-tracer-probe"
+# (a tap's own request, x-tracer-probe: ``protocol/probe_mark.py``)
 
 
 def _header(headers: list[Any], wanted: str) -> str | None:

@@ -24,11 +24,12 @@ from typing import Any
 
 from .. import events as ev
 from ..evidence.ranges import out_of_range
+from ..protocol.probe_mark import PROBE_HEADER, KnownTaps
 from ..redact import redact_target, scrub_text
 from ..times import iso
 from .caveats import _caveats
 from .findings import Evidence, find
-from .request_headers import PROBE_HEADER, _header, _retry_count
+from .request_headers import _header, _retry_count
 from .rows import BUNCH_GAP as BUNCH_GAP
 from .rows import ZERO_GAP as ZERO_GAP
 from .rows import ConnectionRow as ConnectionRow
@@ -53,6 +54,7 @@ RECENT_ROWS = 1024  # finished rows that late events can still update
 FINISHED_KEYS = 16384  # keys of rows written out, remembered to ignore late events
 CLIENT_FAILURES_KEPT = 20  # client connections failed before a first request, quoted
 MAX_LAGS = 10_000  # tap_lag records kept (one a second at most per tap)
+UNVOUCHED_KEPT = 20  # requests with an x-tracer-probe no capture vouches for, named
 
 
 def _declared(start: ev.CaptureStart) -> dict[str, Any] | None:
@@ -97,6 +99,7 @@ class Summary:
         recent_rows: int = RECENT_ROWS,
         finished_keys: int = FINISHED_KEYS,
         spill_samples: int = 512,
+        known_taps: KnownTaps | None = None,
     ) -> None:
         if recent_rows < 0 or finished_keys < 0:
             raise ValueError("recent_rows and finished_keys must not be negative")
@@ -140,6 +143,11 @@ class Summary:
         self._closing: dict[ConnKey, bool] = {}
         self._own: set[RequestKey] = set()  # the taps' own requests in flight (probes)
         self.own_requests = 0
+        # whose x-tracer-probe to believe: the nonces of the captures in the analysis
+        self.known_taps = known_taps if known_taps is not None else KnownTaps()
+        # requests that carried x-tracer-probe no capture here vouches for: the client's
+        self.unvouched: list[str] = []  # (the first few ids)
+        self.unvouched_total = 0
         self.lags: list[dict[str, Any]] = []  # windows where a tap's own loop ran late
         self._engine_list: list[dict[str, Any]] | None = None
         self._health_list: list[dict[str, Any]] | None = None
@@ -186,7 +194,12 @@ class Summary:
             case ev.RequestHead():
                 key = (event.tap, event.conn, event.seq)
                 ckey = (event.tap, event.conn)
-                if _header(event.headers, PROBE_HEADER) is not None:
+                probe = _header(event.headers, PROBE_HEADER)
+                if probe is not None and not self.known_taps.own(probe):
+                    self.unvouched_total += 1  # stays a client request, with a note
+                    if len(self.unvouched) < UNVOUCHED_KEPT:
+                        self.unvouched.append(f"{event.tap}/{event.conn}/{event.seq}")
+                elif probe is not None:
                     self._own.add(key)
                     self.own_requests += 1
                     conn = self._conn(event.tap, event.conn)
@@ -371,6 +384,7 @@ class Summary:
                     if event.direction == "client" and event.seq is None and not conn.requests:
                         self._client_failed(event)
             case ev.CaptureStart():
+                self.known_taps.add(event.tap, event.kind, event.probe_nonce)
                 self.taps.setdefault(
                     event.tap,
                     {
@@ -570,6 +584,8 @@ class Summary:
             client_failures_total=self.client_failures_total,
             lags=self.lags,
             losses=self.loss_windows,
+            unvouched=self.unvouched,
+            unvouched_total=self.unvouched_total,
         )
         findings, verdict = find(evidence)
         caveats = _caveats(

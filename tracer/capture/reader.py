@@ -216,6 +216,24 @@ def _read_lines(fh: Any, stats: ReadStats, name: str) -> Iterator[dict[str, Any]
         yield record
 
 
+def capture_headers(paths: Sequence[str | os.PathLike[str]]) -> list[dict[str, Any]]:
+    """The ``capture_start`` record of each tracer capture named (its first line; packet
+    captures and what is not a capture have none): read before an analysis, which needs
+    to know every tap in it before its first request (whose probes to believe)."""
+    out: list[dict[str, Any]] = []
+    for path in expand_captures(paths):
+        if file_kind(path) != "capture":
+            continue
+        try:
+            with _open_capture_file(path) as fh:
+                first = orjson.loads(fh.readline(1 << 20))
+        except (OSError, ValueError):
+            continue  # the analysis itself says what is wrong with it
+        if isinstance(first, dict) and first.get("type") == ev.CaptureStart.TYPE:
+            out.append(first)
+    return out
+
+
 def event_from_record(
     record: dict[str, Any], bodies: BodyResolver | None = None
 ) -> ev.Event | None:

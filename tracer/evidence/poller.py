@@ -47,6 +47,7 @@ import structlog
 
 from .. import __version__
 from .. import events as ev
+from ..protocol.probe_mark import PROBE_HEADER, probe_value
 from . import engines
 
 log = structlog.get_logger(__name__)
@@ -154,7 +155,7 @@ class EnginePoller:
             # sees the scrapes (metrics on the serving port) leaves them out of its tables
             headers={
                 "User-Agent": f"tracer/{__version__}",
-                "x-tracer-probe": f"metrics; tap={self.tap}",
+                PROBE_HEADER: probe_value("metrics", self.tap),
             },
         ) as client:
             start = time.monotonic()

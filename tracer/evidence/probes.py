@@ -23,6 +23,7 @@ import httpx
 import structlog
 
 from .. import events as ev
+from ..protocol.probe_mark import PROBE_HEADER, probe_value
 
 log = structlog.get_logger("tracer.evidence.probes")
 
@@ -122,7 +123,7 @@ class Prober:
             # a new client: a new connection, never one from a pool
             async with (
                 httpx.AsyncClient(
-                    timeout=cfg.timeout, headers={"x-tracer-probe": self.tap}
+                    timeout=cfg.timeout, headers={PROBE_HEADER: probe_value("probe", self.tap)}
                 ) as client,
                 client.stream(method, url, json=body) as response,
             ):

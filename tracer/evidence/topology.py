@@ -52,6 +52,7 @@ import anyio
 import h11
 
 from .. import __version__
+from ..protocol.probe_mark import PROBE_HEADER, probe_value
 
 Role = Literal["engine", "router", "proxy", "unknown"]
 Basis = Literal["declared", "inferred", "unknown"]
@@ -72,7 +73,6 @@ MAX_BODY = 1 << 20  # bytes kept of one answer; more ends the fingerprint
 TIMEOUT = 2.0  # seconds for the whole fingerprint, connect included
 # on every request of the fingerprint, naming the tap: the taps and proxies behind this one
 # see these requests, and analysis keeps a tap's own requests out of the client's traffic
-PROBE_HEADER = "x-tracer-probe"
 
 # Server header values that name a proxy product, not a serving stack
 PROXY_SERVERS: tuple[str, ...] = (
@@ -162,7 +162,7 @@ class Exchange:
             ("Host", self.host),
             ("User-Agent", f"tracer/{__version__} topology-fingerprint"),
             ("Accept", "*/*"),
-            (PROBE_HEADER, f"topology; tap={self.tap}"),
+            (PROBE_HEADER, probe_value("topology", self.tap)),
         ]
         head = self.conn.send(h11.Request(method="GET", target=self.path, headers=headers))
         end = self.conn.send(h11.EndOfMessage())

@@ -58,6 +58,7 @@ from typing import Any, Literal
 
 from .. import __version__
 from .. import events as ev
+from ..protocol.probe_mark import RUN_NONCE
 from .packets import PassiveStats, Skipped, decode_frame
 from .taps_by_port import ROLES as ROLES
 from .taps_by_port import Role as Role
@@ -283,6 +284,8 @@ class PacketTap:
                     tap=name,
                     tracer_version=__version__,
                     kind=self.kind,
+                    # a live sniff's own scrapes and probes carry this run's nonce
+                    probe_nonce=RUN_NONCE if self.kind == "sniff" else None,
                     listen=listen,
                     boot_id=self.boot_id,
                     options=options,

@@ -24,6 +24,8 @@ from typing import Any
 from ..analysis.summary import Summary
 from ..arguments import non_negative_int
 from ..capture.files import PacketOptions, expand_captures, read_into
+from ..capture.reader import capture_headers
+from ..protocol.probe_mark import KnownTaps
 from ..times import parse_time
 from ..wording import counted
 from .render import write_json, write_markdown, write_text
@@ -161,7 +163,8 @@ def packet_options(args: argparse.Namespace) -> PacketOptions:
 
 def run(args: argparse.Namespace) -> int:
     packets = packet_options(args)
-    with Summary() as summary:  # (rows spilled to temporary files are released on exit)
+    known = KnownTaps.of(capture_headers(args.captures))  # whose x-tracer-probe to believe
+    with Summary(known_taps=known) as summary:  # (spilled rows are released on exit)
         captures = [
             read_into(path, summary.feed, packets).describe(Path(path).name)
             for path in expand_captures(args.captures)

@@ -17,6 +17,8 @@ from .. import __version__
 from ..analysis.findings import Context, Evidence
 from ..analysis.summary import Summary
 from ..capture.files import PACKETS, CaptureError, PacketOptions, expand_captures, read_into
+from ..capture.reader import capture_headers
+from ..protocol.probe_mark import KnownTaps
 from .report_engine import engine_around
 
 if TYPE_CHECKING:
@@ -31,7 +33,7 @@ def load(
 ) -> tuple[Summary, list[dict[str, Any]]]:
     """Feed every capture to one Summary; per capture: its hash and what reading it found
     (``packets``: how a pcap is read as taps)."""
-    summary = Summary()
+    summary = Summary(known_taps=KnownTaps.of(capture_headers(paths)))
     try:
         captures = [_feed(summary, path, packets) for path in expand_captures(paths)]
     except BaseException:

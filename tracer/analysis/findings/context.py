@@ -64,6 +64,10 @@ class Evidence:
     # windows where a tap's capture writer dropped records (``capture_loss``: tap, first,
     # last, dropped, reason, resumed; wall times)
     losses: list[dict[str, Any]] = field(default_factory=list)
+    # requests that carried x-tracer-probe no capture of the analysis vouches for (the
+    # first few ids; how many): client requests, with a note
+    unvouched: list[str] = field(default_factory=list)
+    unvouched_total: int = 0
     # filled by ``find``: adjacent taps, client side first, with the median of t(b) - t(a)
     # over the requests both saw (clock offset plus the hop's transit time)
     tap_pairs: list[dict[str, Any]] = field(default_factory=list)

@@ -25,6 +25,7 @@ from .injected import injected_by_the_tap
 from .load import analyze_load
 from .marks import analyze_marks
 from .model import EvidenceItem, Finding
+from .probe_marks import analyze_probe_marks
 from .quotes import ts
 from .taps import join_taps
 from .topology import topology
@@ -63,6 +64,7 @@ ANALYZERS: list[Callable[[Context], list[Finding]]] = [
     analyze_load,
     analyze_abandoned,
     analyze_marks,
+    analyze_probe_marks,
 ]
 
 
