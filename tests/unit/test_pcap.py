@@ -359,8 +359,10 @@ def test_a_missing_segment_is_marked_and_reported_as_loss(tmp_path: Path) -> Non
         f"{len(chunk(SSE[2]))} byte(s)" in anomaly.error and "not in the capture" in anomaly.error
     )
     assert anomaly.t == pytest.approx(lost.t + 0.0001, abs=1e-6)  # the client's ACK of it
-    end = of(events, ev.ResponseEnd)[0]
-    assert end.termination == "unparsed"  # not followed past the hole
+    assert anomaly.gap == len(chunk(SSE[2]))
+    end, second = of(events, ev.ResponseEnd)
+    assert end.termination == "unparsed"  # not known past the hole: never complete
+    assert (second.seq, second.termination) == (2, "complete")  # parsed again after it
     (loss,) = of(events, ev.CaptureLoss)
     assert (loss.dropped, loss.dropped_bytes) == (1, len(chunk(SSE[2])))
     assert sum(stats.passive.gaps.values()) == 1

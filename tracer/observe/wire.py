@@ -139,6 +139,10 @@ class ConnectionObserver(RequestReader):
         self._up_offset = 0  # upstream bytes consumed by parsing (for anomaly offsets)
         self.blind = False
         self.tunnel = False
+        # a packet capture's gap (``passive``): response bytes with no request left to
+        # answer are handed back in ``orphans`` (for a request the gap swallowed) when set
+        self.catch_orphans = False
+        self.orphans: bytes | None = None
         self._receiving: WireRequest | None = None  # request whose body is arriving
         self.client_bytes = 0
         self.upstream_bytes = 0
@@ -263,6 +267,67 @@ class ConnectionObserver(RequestReader):
         self.tracer_answer(req, m, status, reason, detail or reason)
         self.blind = True
 
+    # ---- a packet capture's gaps (``passive``: bytes the capture does not have) -------
+
+    def client_position(self) -> tuple[WireRequest | None, int | None, bool]:
+        """Where the client's parse is: the request whose body is being read (None:
+        between requests or inside a head not read yet), the bytes that body still
+        expects when its length is known, and whether parsing can pick up again after a
+        gap (not behind a protocol switch or a parse failure held back)."""
+        if self.blind or self.tunnel or self._held is not None or self._deferred is not None:
+            return None, None, False
+        req = self._receiving
+        if req is None or req.request_done:
+            return None, None, True
+        body = self._req_body
+        if body is not None and body.framing == "length" and not body.done:
+            return req, body._remaining, True
+        return req, None, True
+
+    def upstream_remaining(self) -> int | None:
+        """The bytes the response body being read still expects, when its length is
+        known (None: unknown, or no body being read)."""
+        body = self._body
+        if body is not None and body.framing == "length" and not body.done:
+            return body._remaining
+        return None
+
+    def restart_client(self, m: float) -> None:
+        """The client's next bytes parsed are not those after the ones read (a gap):
+        the request whose body was being read ends cut (``request_end`` incomplete), and
+        the next byte fed starts a request head."""
+        req = self._receiving
+        if req is not None and not req.request_done:
+            self._end_request(req, m, complete=False)
+        self._receiving = None
+        self._req = self._req_body = None
+        self._head_lines, self._head_tail = 0, b""
+        self.head_started_m = None
+        self._req_base = self.client_bytes
+
+    def restart_upstream(self) -> None:
+        """The upstream's next bytes fed start a response head (after a gap)."""
+        self._head = self._body = None
+        self._up_offset = self.upstream_bytes
+
+    def skip_client(self, size: int, m: float) -> None:
+        """Client bytes counted, not parsed (skipped after a gap)."""
+        self.client_bytes += size
+        self.activity(m)
+
+    def skip_upstream(self, size: int, m: float) -> None:
+        """Upstream bytes counted, not parsed (skipped after a gap)."""
+        self.upstream_bytes += size
+        self.activity(m)
+
+    def unpaired(self, m: float, detail: str) -> None:
+        """Responses can no longer be told apart (after a gap): every request in flight
+        ends ``unparsed`` (``detail`` why), and bytes are only counted from now on."""
+        self.blind = True
+        self.head_started_m = None
+        for req in list(self.pending):
+            self.end_response(req, m, "unparsed", detail=detail)
+
     # ---- responses --------------------------------------------------------------------
 
     def _pump_responses(self, data: bytes, m: float) -> None:
@@ -322,6 +387,9 @@ class ConnectionObserver(RequestReader):
                     self._body_ended(req, m)
                     continue
                 if not self.pending:
+                    if self.catch_orphans:
+                        self.orphans = data
+                        return
                     raise h11.RemoteProtocolError("response without a request")
                 data = self._parse_head(data, m)
         finally:  # bytes parsed before a failure are still reported
