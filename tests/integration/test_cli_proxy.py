@@ -210,7 +210,7 @@ async def test_analyze_is_deterministic_and_reads_a_live_capture(tmp_path: Path)
             )
         tg.cancel_scope.cancel()
     doc = json.loads(live.stdout)
-    assert doc["schema"] == "tracer.analysis/5"
+    assert doc["schema"] == "tracer.analysis/6"
     assert [r["request_id"] for r in doc["requests"]] == ["r0", "r1", "r2"]
     assert [r["seq"] for r in doc["requests"]] == [1, 2, 3]
     assert all(r["termination"] == "complete" and r["done"] for r in doc["requests"])

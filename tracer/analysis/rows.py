@@ -69,6 +69,9 @@ class RequestRow:
     continued: bool = False  # an interim 100 Continue came back
     max_event_bytes: int = 0  # the largest SSE event's size, and when it arrived
     max_event_at: float | None = None
+    # bytes of this request (or its response) a packet capture does not have (the size of
+    # the gap that hit it): what it did past them is unknown
+    capture_gap: int | None = None
 
 
 @dataclass(slots=True)

@@ -48,12 +48,13 @@ from .tables import (
     request_order,
 )
 
-SCHEMA = "tracer.analysis/5"
+SCHEMA = "tracer.analysis/6"
 SPILL_ROWS = 4096  # finished rows held in memory before a sorted run goes to disk
 RECENT_ROWS = 1024  # finished rows that late events can still update
 FINISHED_KEYS = 16384  # keys of rows written out, remembered to ignore late events
 CLIENT_FAILURES_KEPT = 20  # client connections failed before a first request, quoted
 MAX_LAGS = 10_000  # tap_lag records kept (one a second at most per tap)
+GAPS_KEPT = 20  # requests whose head a packet capture lost, named
 UNVOUCHED_KEPT = 20  # requests with an x-tracer-probe no capture vouches for, named
 
 
@@ -148,6 +149,9 @@ class Summary:
         # requests that carried x-tracer-probe no capture here vouches for: the client's
         self.unvouched: list[str] = []  # (the first few ids)
         self.unvouched_total = 0
+        # requests a packet capture's gap swallowed whole (no head, so no row)
+        self.headless: list[dict[str, Any]] = []
+        self.headless_gaps = 0
         self.lags: list[dict[str, Any]] = []  # windows where a tap's own loop ran late
         self._engine_list: list[dict[str, Any]] | None = None
         self._health_list: list[dict[str, Any]] | None = None
@@ -378,6 +382,8 @@ class Summary:
                     }
                 )
             case ev.Anomaly():
+                if event.gap is not None and event.seq is not None:
+                    self._gapped(event)
                 conn = self._conn(event.tap, event.conn)
                 if conn is not None:
                     conn.anomalies.append(f"{event.direction}: {scrub_text(event.error)}")
@@ -528,6 +534,22 @@ class Summary:
             self._own.discard(key)
         return True
 
+    def _gapped(self, event: ev.Anomaly) -> None:
+        """A packet capture missed bytes of this request: its row says so; a request whose
+        head was lost whole has no row, and is named in the ``packet_gap`` finding."""
+        assert event.seq is not None
+        key = (event.tap, event.conn, event.seq)
+        req, written = self.requests.lookup(key)
+        self.late_events += written
+        if req is not None:
+            req.capture_gap = max(req.capture_gap or 0, event.gap or 0)
+        elif not written:
+            self.headless_gaps += 1
+            if len(self.headless) < GAPS_KEPT:
+                self.headless.append(
+                    {"id": f"{event.tap}/{event.conn}/{event.seq}", "t": event.t, "gap": event.gap}
+                )
+
     def _client_failed(self, event: ev.Anomaly) -> None:
         self.client_failures_total += 1
         if len(self.client_failures) < CLIENT_FAILURES_KEPT:
@@ -586,6 +608,8 @@ class Summary:
             losses=self.loss_windows,
             unvouched=self.unvouched,
             unvouched_total=self.unvouched_total,
+            headless=self.headless,
+            headless_total=self.headless_gaps,
         )
         findings, verdict = find(evidence)
         caveats = _caveats(
@@ -598,7 +622,11 @@ class Summary:
         if caveats:
             verdict["caveats"] = caveats
             if verdict["party"] == "none":  # an all-clear over missing records is not high
-                lost = self.capture_losses or any(c.get("bad_lines") for c in captures or [])
+                lost = (
+                    self.capture_losses
+                    or any(c.get("bad_lines") for c in captures or [])
+                    or evidence.gapped
+                )
                 verdict["confidence"] = "low" if lost else "medium"
         totals = _Totals()
         totals.reused, totals.stalls = self._totals.reused, self._totals.stalls

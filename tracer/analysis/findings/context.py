@@ -68,6 +68,11 @@ class Evidence:
     # first few ids; how many): client requests, with a note
     unvouched: list[str] = field(default_factory=list)
     unvouched_total: int = 0
+    # requests a packet capture's gap swallowed whole (no row: id, t, gap; how many)
+    headless: list[dict[str, Any]] = field(default_factory=list)
+    headless_total: int = 0
+    # filled by ``find``: whether any request had bytes a packet capture missed
+    gapped: bool = False
     # filled by ``find``: adjacent taps, client side first, with the median of t(b) - t(a)
     # over the requests both saw (clock offset plus the hop's transit time)
     tap_pairs: list[dict[str, Any]] = field(default_factory=list)

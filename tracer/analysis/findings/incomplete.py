@@ -1,6 +1,10 @@
 """Requests whose evidence the capture does not hold whole: what a finding would say of
 them rests on records that are not there, so it is not said.
 
+Two ways a capture misses what it should hold, each worded as its own, never as the
+other's: a tap's capture writer that dropped records (``capture_lost``), and a packet
+capture that missed bytes of a stream (``packet_gap``).
+
 A tap's capture writer that could not write (its disk full, or too slow) drops records
 and says when, in ``capture_loss`` records (``first_t`` .. ``last_t``). A request open in
 such a window may have lost its end, its stall's end or its events: a silence read from
@@ -19,7 +23,7 @@ from ...wording import counted
 from ..rows import RequestRow
 from .context import Context
 from .model import EvidenceItem, Finding
-from .quotes import MAX_QUOTED, request_item, ts
+from .quotes import MAX_QUOTED, req_text, request_item, ts
 
 REACH = 1.0  # seconds around a loss window that a finding's time still falls in it
 
@@ -165,4 +169,95 @@ def _lost_finding(tap: str, rows: list[RequestRow], windows: list[LossWindow]) -
         "--capture-max-bytes with --capture-compress), or the client's own log of these "
         "requests",
         t=rows[0].start if rows else first,
+    )
+
+
+def set_aside_gapped(ctx: Context, findings: list[Finding]) -> list[Finding]:
+    """Requests with bytes a packet capture missed leave the findings they were in (what
+    they did past the gap is unknown); one ``packet_gap`` finding per tap names them.
+    A finding left standing on a connection where a gap was is at most low confidence,
+    and says so: the pairing of requests and answers there rests on the resync."""
+    gapped = {r.id: r for r in ctx.interesting if r.capture_gap is not None}
+    headless = ctx.e.headless
+    ctx.e.gapped = bool(gapped or ctx.e.headless_total)
+    if not ctx.e.gapped:
+        return findings
+    gapped_conns = {f"{r.tap}/{r.conn}" for r in gapped.values()}
+    gapped_conns |= {h["id"].rsplit("/", 1)[0] for h in headless}
+    out: list[Finding] = []
+    for f in findings:
+        keep = [q for q in f.requests if q not in gapped]
+        if f.requests and not keep:
+            continue
+        if len(keep) < len(f.requests):
+            f.evidence.append(
+                EvidenceItem(
+                    text=f"{counted(len(f.requests) - len(keep), 'request')} left out of it: "
+                    "the packet capture missed some of their bytes (see packet_gap)",
+                    figures={"left_out": len(f.requests) - len(keep)},
+                )
+            )
+            f.requests = keep
+        on_gapped = sorted(gapped_conns.intersection(f.connections))
+        if on_gapped and not f.note:
+            f.confidence = "low"
+            f.evidence.append(
+                EvidenceItem(
+                    text=f"the packet capture missed bytes on {', '.join(on_gapped[:3])}: "
+                    "its requests were paired with their answers again after the gap",
+                    figures={"gapped_connections": len(on_gapped)},
+                )
+            )
+            f.summary += " (The packet capture has gaps on its connection: low confidence.)"
+        out.append(f)
+    taps = sorted({r.tap for r in gapped.values()} | {h["id"].split("/", 1)[0] for h in headless})
+    for tap in taps:
+        rows = sorted((r for r in gapped.values() if r.tap == tap), key=lambda r: r.start)
+        lost = [h for h in headless if h["id"].startswith(f"{tap}/")]
+        out.append(_gap_finding(tap, rows, lost))
+    return out
+
+
+def _gap_finding(tap: str, rows: list[RequestRow], headless: list[dict[str, Any]]) -> Finding:
+    n = len(rows) + len(headless)
+    summary = (
+        f"The packet capture of tap {tap} missed bytes of {counted(n, 'request')}: "
+        "what they did past the missing bytes is unknown, and no party is named for them "
+        "(a packet capture's gap, not a tap's lost records)."
+    )
+    evidence = [
+        request_item(
+            r,
+            f"{req_text(r)}: {r.capture_gap} byte(s) of it missing from the packet capture, "
+            f"termination={r.termination}",
+            gap=r.capture_gap,
+            termination=r.termination,
+        )
+        for r in rows[:MAX_QUOTED]
+    ]
+    evidence += [
+        EvidenceItem(
+            text=f"{ts(h['t'])} request {h['id']}: its head is not in the packet capture "
+            f"({h['gap']} byte(s) missing)",
+            t=h["t"],
+            tap=tap,
+            request=h["id"],
+            figures={"gap": h["gap"]},
+        )
+        for h in headless[:MAX_QUOTED]
+    ]
+    return Finding(
+        party="unknown",
+        kind="packet_gap",
+        summary=summary,
+        requests=[r.id for r in rows],
+        connections=sorted(
+            {f"{r.tap}/{r.conn}" for r in rows} | {h["id"].rsplit("/", 1)[0] for h in headless}
+        ),
+        evidence=evidence,
+        ruled_out=[],
+        confidence="low",
+        settle="a capture without drops: a larger capture buffer (tcpdump -B, tracer sniff "
+        "--buffer-size), a full snap length, or an inline tap (tracer proxy)",
+        t=min([*(r.start for r in rows), *(h["t"] for h in headless)], default=None),
     )

@@ -63,6 +63,7 @@ def worth_keeping(r: RequestRow) -> bool:
     rest is only counted and streamed past."""
     return (
         r.termination != "complete"  # hangs, aborts, truncations, the joins' front rows
+        or r.capture_gap is not None  # a packet capture missed some of its bytes
         or bool(r.stalls)
         or r.after_close
         or r.detail is not None

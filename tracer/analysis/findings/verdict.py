@@ -20,7 +20,7 @@ from .context import Context, Evidence
 from .delivery import analyze_delivery, analyze_first_events, analyze_reused_first_events
 from .endings import analyze_upstream_endings
 from .hangs import analyze_request_hangs
-from .incomplete import set_aside_lost
+from .incomplete import set_aside_gapped, set_aside_lost
 from .injected import injected_by_the_tap
 from .load import analyze_load
 from .marks import analyze_marks
@@ -148,6 +148,7 @@ def find(e: Evidence) -> tuple[list[Finding], dict[str, Any]]:
     findings = injected_by_the_tap(ctx, findings)
     _discount_starved(ctx, findings)
     findings = set_aside_lost(ctx, findings)
+    findings = set_aside_gapped(ctx, findings)
     findings = check_claims(ctx, _grouped(findings))
     if any(not f.note and f.kind != "silent_at_hang" for f in findings):
         findings = [f for f in findings if f.kind != "silent_at_hang"]
