@@ -12,6 +12,23 @@ from tests.unit.test_pcap_gaps import EVENTS, SSE_HEAD, Conn, answer, get, post
 from tracer.analysis.summary import Summary
 
 
+def _second_stream_loses(event: int, *, third: int) -> Conn:
+    """Three requests on one connection; the second's stream loses its ``event``-th event
+    to the capture; the third is answered with status ``third``."""
+    c = Conn()
+    c.client(get(1))
+    c.server(answer(1))
+    c.client(post(2, b'{"model":"m","stream":true}'))
+    c.server(SSE_HEAD)
+    for i, e in enumerate(EVENTS):
+        c.server(chunk(e), lose=i == event)
+    c.server(b"0\r\n\r\n")
+    c.client(get(3))
+    c.server(answer(3, status=third))
+    c.close()
+    return c
+
+
 def _analyze(c: Conn, tmp_path: Path) -> dict[str, Any]:
     summary = Summary()
     for event in c.read(tmp_path):
@@ -20,17 +37,7 @@ def _analyze(c: Conn, tmp_path: Path) -> dict[str, Any]:
 
 
 def test_a_response_that_lost_a_segment_is_unknown_not_healthy(tmp_path: Path) -> None:
-    c = Conn()
-    c.client(get(1))
-    c.server(answer(1))
-    c.client(post(2, b'{"model":"m","stream":true}'))
-    c.server(SSE_HEAD)
-    for i, e in enumerate(EVENTS):
-        c.server(chunk(e), lose=i == 2)
-    c.server(b"0\r\n\r\n")
-    c.client(get(3))
-    c.server(answer(3))
-    c.close()
+    c = _second_stream_loses(2, third=200)
     result = _analyze(c, tmp_path)
     verdict = result["verdict"]
     assert (verdict["party"], verdict["kind"], verdict["confidence"]) == (
@@ -70,17 +77,7 @@ def test_a_fault_on_a_gapped_connection_stands_at_low_confidence_and_says_why(
 ) -> None:
     """Request 3's 500 came after the gap: read again after the resync, it still names
     the engine, but at low confidence, quoting the gap on its connection."""
-    c = Conn()
-    c.client(get(1))
-    c.server(answer(1))
-    c.client(post(2, b'{"model":"m","stream":true}'))
-    c.server(SSE_HEAD)
-    for i, e in enumerate(EVENTS):
-        c.server(chunk(e), lose=i == 1)
-    c.server(b"0\r\n\r\n")
-    c.client(get(3))
-    c.server(answer(3, status=500))
-    c.close()
+    c = _second_stream_loses(1, third=500)
     result = _analyze(c, tmp_path)
     faults = [f for f in result["findings"] if not f["note"] and f["kind"] != "packet_gap"]
     assert faults, result["findings"]
