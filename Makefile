@@ -52,6 +52,12 @@ bench: compiled
 	$(BIN)/python -m bench.addon_instructions
 	$(BIN)/python -m bench.fault_layer
 
+# The readers fuzzed (tests/fuzz, hypothesis's `fuzz` profile): over 100,000 inputs across
+# the capture, pcap, TCP, head, framing and SSE readers; the inputs per target at the end.
+.PHONY: fuzz
+fuzz: $(STAMP)
+	TRACER_FUZZ=1 $(BIN)/pytest -q -n 2 -p no:cacheprovider tests/fuzz --timeout=1800
+
 # 10 minutes at C=256 of mixed traffic through the tap: records lost, RSS and descriptors.
 soak: compiled
 	$(BIN)/python -m bench.soak --duration 600 --concurrency 256

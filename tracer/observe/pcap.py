@@ -286,7 +286,7 @@ def _pcapng_frames(fh: BinaryIO, stats: PcapStats, name: str) -> Iterator[Frame]
                     if drops is not None:  # counts since the start: the last one is the total
                         interfaces[isb.iface_id].dropped = drops
                         saw_drop_counts = True
-        except (dpkt.UnpackError, dpkt.NeedData, struct.error) as exc:
+        except (dpkt.UnpackError, dpkt.NeedData, struct.error, UnicodeDecodeError) as exc:
             if first:
                 raise PcapError(f"{name}: not a readable pcapng file ({exc})") from None
             continue  # one bad block: the next one may be fine

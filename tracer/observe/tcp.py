@@ -228,10 +228,10 @@ class HalfStream:
     ) -> list[Item]:
         """Bytes (and maybe the FIN) at sequence number ``seq`` (after the SYN's)."""
         if self.reset_seen or self.fin_done:  # a copy of what came before, or bytes after
-            if self.fin_done:
-                self.duplicate += len(payload)
+            if self.fin_done:  # (counted as the bytes it carried, as everywhere)
+                self.duplicate += max(len(payload), wire_len or 0)
             else:
-                self.outside += len(payload)
+                self.outside += max(len(payload), wire_len or 0)
             return []
         if self.base is None:
             self.base = seq % _MOD  # its start was not captured: begin here
@@ -240,6 +240,7 @@ class HalfStream:
         end = start + length
         if fin and self.fin_at is None and end >= self.next:
             self.fin_at = end
+            self._drop_after(end)
         if (  # the usual case: the next bytes, whole, nothing held
             start == self.next
             and length
@@ -274,9 +275,10 @@ class HalfStream:
             self.acked = off
         out: list[Item] = []
         if off > self.next and not self.fin_done:
-            first = self._pieces[0].start if self._pieces else off
-            self._skip(t, min(first, off), "not_captured", out)
-            out += self._deliver(t)
+            while off > self.next:  # each hole up to ``off``, the held bytes between them
+                first = self._pieces[0].start if self._pieces else off
+                self._skip(t, min(first, off), "not_captured", out)
+                out += self._deliver(t)
             self._maybe_fin(t, out)
         self.high = max(self.high, self.next)
         return out
@@ -364,6 +366,20 @@ class HalfStream:
                 self._insert(_Piece(a, min(b, cut), payload[a - start : min(b, cut) - start]))
             if b > cut:
                 self._insert(_Piece(max(a, cut), b, None))
+
+    def _drop_after(self, at: int) -> None:
+        """Bytes held beyond the FIN (they came before it): outside the stream."""
+        while self._pieces and self._pieces[-1].end > at:
+            piece = self._pieces[-1]
+            cut = max(piece.start, at)
+            self.outside += piece.end - cut
+            if piece.data is not None:
+                self.held -= piece.end - cut
+                piece.data = piece.data[: cut - piece.start]
+            piece.end = cut
+            if piece.start == cut:
+                self._pieces.pop()
+                self._starts.pop()
 
     def _insert(self, piece: _Piece) -> None:
         i = bisect.bisect_left(self._starts, piece.start)

@@ -309,10 +309,13 @@ class BodyDecoder:
                 nl = buf.find(b"\r\n", pos)
                 if nl < 0:
                     rest = buf[pos:end]
+                    # the line so far (a last CR may be its CRLF's): over the bound, it is
+                    # as it would be in one read
+                    length = len(rest) - 1 if buf[end - 1] == 13 else len(rest)
                     if state == _TRAILER:
-                        if len(rest) > MAX_TRAILERS:
+                        if length > MAX_TRAILERS:
                             raise FramingError("chunk trailer line too long", pos + base - start)
-                    elif len(rest) > MAX_CHUNK_LINE:
+                    elif length > MAX_CHUNK_LINE:
                         raise FramingError("chunk size line too long", pos + base - start)
                     self._line = rest
                     if parts is not None:
@@ -333,6 +336,8 @@ class BodyDecoder:
                     kind = "size"
                 else:
                     self._state = _TRAILER
+            elif nl - pos > MAX_TRAILERS:
+                raise FramingError("chunk trailer line too long", pos + base - start)
             elif nl == pos:  # trailer lines until an empty line
                 self.done = True
             pos = nl + 2

@@ -74,11 +74,15 @@ class HeadReader:
             method = _REQUEST_START.match(buf)
             assert method is not None  # (the pattern matches the empty string)
             after = method.end()
-            if after < len(buf) and (buf[after : after + 1] != b" " or not method.group(1)):
+            if (
+                after < len(buf)
+                and (buf[after : after + 1] != b" " or not method.group(1))
+                and (method.group(1) or buf[after:] != b"\r")  # (a last CR: an empty line's?)
+            ):
                 raise HeadError("not an HTTP/1.x request")
             start = method.start(1)
         hit = _HEAD_END.search(buf, max(start, old - 3))
-        if hit is None:
+        if hit is None or hit.end() > MAX_HEAD:  # (the same whether it came in one read)
             if len(buf) > MAX_HEAD:
                 raise HeadError(f"{'request' if self.request else 'response'} head too long")
             self.held = buf
