@@ -30,7 +30,8 @@ side. ``PacketTap`` turns the second into the first:
    what was in flight ends ``in_flight``, as at a tap's stop. A capture cannot fingerprint
    the server as a tap does; what it is may be declared (``roles``: ``--upstream-role``,
    ``--tap-by-port 30000=back:engine``), and is written as the inline tap writes a declared
-   role: in the tap's header and a ``topology`` record (basis ``declared``).
+   role: in the tap's header and a ``topology`` record (basis ``declared``). A
+   connection's state and its own records are ``follow``'s.
 5. Time only moves with packets: before each packet (and at the end) every connection
    with a request in flight whose last bytes are ``stall_after`` old is ticked at the
    moment that became so, so a hang in a capture makes the same ``stall`` records as at a
@@ -41,32 +42,7 @@ side. ``PacketTap`` turns the second into the first:
    bytes missing) for each request whose own bytes were in it, and, with the packets
    the capture cut (snaplen) and those the kernel dropped while capturing (when the file
    says), ``capture_loss`` records before ``capture_end``. Parsing picks up again after
-   the gap (see "Gaps" below); what the gap hid is never guessed.
-
-Gaps
-----
-A gap in the client's stream cuts the request whose body was being read (its
-``request_end`` not complete; its response, whole in the capture, is still its own).
-When the body's length says where it ends, parsing goes on right after it; otherwise
-(and when the gap ran into the next request) the bytes are skipped up to the next
-request line (``METHOD target HTTP/1.x``). A request whose head was in the gap is
-numbered all the same (the inline tap saw it), from the gap or from its response:
-while the requests after the gap are unknown, a response with no request left to
-answer is a swallowed request's (an ``anomaly`` for it), and the first request read
-after the gap is paired with the responses after them only where that is sure (no
-request of before still waiting for its response, and each request known swallowed
-seen answered): a client waits for a response before its next request. Where it is
-not sure, nothing is paired from there on (each request waiting ends ``unparsed``, with
-an anomaly): better unknown than wrong.
-
-A gap in the server's stream ends the response being received, ``unparsed`` (not
-``complete``: bytes of it are missing), with an ``anomaly`` for its request, and for
-the next one when the gap ran past a body whose length was known into the next
-response. Parsing goes on right after a body whose length says where it ends, else at
-the next status line (``HTTP/1.x NNN``): a status line while no request waits is not a
-response (bytes of the lost one's body); one while one request waits is its response
-(the response of any later request would follow that request in the capture); one
-while several wait cannot be paired (they end ``unparsed``, and nothing more is parsed).
+   the gap (``gaps``: its rules); what the gap hid is never guessed.
 
 What passive capture cannot see, and this does not guess: what an application did with
 bytes its kernel acknowledged (read them, or left them in its socket buffer), anything
@@ -77,7 +53,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import re
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, Literal
@@ -85,7 +60,11 @@ from typing import Any, Literal
 from .. import __version__
 from .. import events as ev
 from ..protocol.probe_mark import RUN_NONCE
+from .follow import Follow
+from .gaps import Resync
 from .packets import PassiveStats, Skipped, decode_frame
+from .request_line import PROBE_BYTES
+from .request_line import looks_like_request as looks_like_request
 from .taps_by_port import ROLES as ROLES
 from .taps_by_port import Role as Role
 from .taps_by_port import TapsByPort as TapsByPort
@@ -104,127 +83,14 @@ from .tcp import (
     Reset,
     Segment,
     Syn,
-    TcpConnection,
     TcpTable,
 )
 from .wire import Bodies, ConnectionObserver
-from .wire_requests import WireRequest
 
 Emit = Callable[[ev.Event], None]
 
 STALL_AFTER = 5.0  # the tap's default --stall-after
-PROBE_BYTES = 8192  # client bytes read to tell whether a stream is HTTP/1.x
 HELD_ITEMS = 256  # data items held per connection while it is undecided (more: skipped)
-
-# where parsing picks up again after a gap: a request line (of a method in use) ...
-_REQUEST_AT = re.compile(
-    rb"(?:GET|POST|PUT|DELETE|PATCH|HEAD|OPTIONS|CONNECT|TRACE) [!-~]+ HTTP/1\.[01]\r\n"
-)
-# ... or a status line
-_STATUS_AT = re.compile(rb"HTTP/1\.[01] [1-5][0-9]{2}(?: [\t\x20-\x7e\x80-\xff]*)?\r\n")
-RESYNC_KEEP = PROBE_BYTES  # bytes kept while looking for where parsing picks up again
-
-_REQUEST_LINE = re.compile(rb"[A-Z][A-Z0-9_-]{0,31} [!-~]+ HTTP/1\.[01]\Z")
-# what may still become a request line: a method, maybe a target, maybe a version's start
-_REQUEST_PREFIX = re.compile(rb"[A-Z][A-Z0-9_-]{0,31}(?: [!-~]*(?: H?T?T?P?/?1?\.?[01]?)?)?\r?\Z")
-
-
-def _find_request(data: bytes) -> int:
-    """Where the first request line in ``data`` starts (-1: none whole in it)."""
-    pos = 0
-    while (line := _REQUEST_AT.search(data, pos)) is not None:
-        if looks_like_request(data[line.start() : line.start() + PROBE_BYTES]):
-            return line.start()
-        pos = line.start() + 1
-    return -1
-
-
-def looks_like_request(data: bytes) -> bool | None:
-    """Whether bytes start with an HTTP/1.x request line (None: too few to tell)."""
-    end = data.find(b"\r\n", 0, PROBE_BYTES)
-    if end >= 0:
-        return _REQUEST_LINE.match(data, 0, end) is not None
-    if len(data) >= PROBE_BYTES:
-        return False
-    return None if _REQUEST_PREFIX.match(data) else False
-
-
-# ---- one followed connection -----------------------------------------------------------
-
-
-class _Follow:
-    """A TCP connection: undecided, followed (with its observer) or ignored."""
-
-    __slots__ = (
-        "allocated",
-        "c_scan",
-        "c_skip",
-        "client",
-        "closed_by",
-        "connected",
-        "fin_at_bytes",
-        "fin_side",
-        "held",
-        "how",
-        "in_flight_at_close",
-        "num",
-        "obs",
-        "orphans_seen",
-        "probe",
-        "scheduled",
-        "server",
-        "skipped",
-        "state",
-        "swallow",
-        "swallow_gap",
-        "syn_t",
-        "synack_t",
-        "synced",
-        "tap",
-        "tcp",
-        "u_gap",
-        "u_scan",
-        "u_skip",
-    )
-
-    def __init__(self, tcp: TcpConnection) -> None:
-        self.tcp = tcp
-        self.state: Literal["undecided", "followed", "ignored"] = "undecided"
-        self.held: list[Item] = []
-        self.probe = b""  # the client's first bytes, while telling whether it is HTTP
-        self.skipped: Counter[Endpoint] = Counter()  # bytes not parsed (before a request)
-        self.client: Endpoint | None = None
-        self.server: Endpoint | None = None
-        self.tap = ""
-        self.num = 0
-        self.obs: ConnectionObserver | None = None
-        self.synced = False  # requests are parsed: from the start, or from a request head
-        self.syn_t: float | None = None
-        self.synack_t: float | None = None
-        self.closed_by: Literal["client", "upstream"] | None = None
-        self.how: Literal["fin", "reset"] | None = None
-        self.in_flight_at_close = False
-        self.fin_side: ev.Direction | None = None
-        self.fin_at_bytes = (0, 0)
-        self.scheduled = False  # a stall check is queued
-        self.connected: bool | None = None  # the server answered (None: not said yet)
-        # after a gap (bytes counted as they come; the held ones are fed when parsing
-        # picks up again): looking for a request line / a status line (the bytes held
-        # while a line may be cut across reads), or body bytes to skip first
-        self.c_scan: bytes | None = None
-        self.c_skip = 0
-        self.u_scan: bytes | None = None
-        self.u_skip = 0
-        self.u_gap = 0  # bytes of the server's gaps since parsing was lost there
-        # a gap in the client's stream may have swallowed requests (``certain``: at least
-        # one, numbered): unknown until the first request read after it
-        self.swallow: Literal["maybe", "certain"] | None = None
-        self.swallow_gap = 0  # bytes of those gaps
-        self.allocated = 0  # requests numbered as swallowed
-        self.orphans_seen = 0  # responses seen with no request to answer (theirs)
-
-    def side(self, src: Endpoint) -> ev.Direction:
-        return "client" if src == self.client else "upstream"
 
 
 # ---- the passive tap -------------------------------------------------------------------
@@ -279,7 +145,7 @@ class PacketTap:
         self.loss_evidence = loss_evidence
         self.table = TcpTable(max_buffer=max_buffer, max_pieces=max_pieces)
         self.stats = PassiveStats()
-        self._follows: dict[int, _Follow] = {}
+        self._follows: dict[int, Follow] = {}
         self._nums: Counter[str] = Counter()  # connections numbered per tap
         self._records: Counter[str] = Counter()  # records written per tap
         self._due: list[tuple[float, int, int]] = []  # (stall check time, order, conn)
@@ -445,7 +311,7 @@ class PacketTap:
 
     def _on(self, item: Item) -> None:
         if isinstance(item, Opened):
-            self._follows[item.conn] = _Follow(item.connection)
+            self._follows[item.conn] = Follow(item.connection, self._emit)
             self.stats.connections += 1
             return
         f = self._follows.get(item.conn)
@@ -463,7 +329,7 @@ class PacketTap:
         if isinstance(item, Closed):
             self._follows.pop(item.conn, None)
 
-    def _decide(self, f: _Follow, item: Item) -> None:
+    def _decide(self, f: Follow, item: Item) -> None:
         if not isinstance(item, Data) or len(f.held) < HELD_ITEMS:
             f.held.append(item)  # (a connection is undecided for a few items but without
             # a handshake, where it waits for a request head: its bytes before are skipped)
@@ -485,7 +351,7 @@ class PacketTap:
         for it in held:
             self._apply(f, it)
 
-    def _client(self, f: _Follow, item: Item) -> Endpoint | Literal[False] | None:
+    def _client(self, f: Follow, item: Item) -> Endpoint | Literal[False] | None:
         """Who the client is (False: not followed; None: not known yet)."""
         tcp = f.tcp
         ports = self._ports
@@ -509,7 +375,7 @@ class PacketTap:
             return tcp.client if looks else None if looks is None else False
         return item.src if looks_like_request(item.data) else None
 
-    def _follow(self, f: _Follow, client: Endpoint) -> None:
+    def _follow(self, f: Follow, client: Endpoint) -> None:
         tcp = f.tcp
         server = tcp.peer(client)
         f.state = "followed"
@@ -534,6 +400,7 @@ class PacketTap:
             opened_m=opened,
             bodies=self.bodies,
         )
+        f.resync = Resync(f.obs, tap=f.tap, conn=f.num, emit=self._emit)
         self._emit(
             ev.ConnOpen(
                 t=opened, m=opened, tap=f.tap, conn=f.num, peer=str(client), local=str(server)
@@ -546,35 +413,14 @@ class PacketTap:
                 )
             )
 
-    def _connect_done(self, f: _Follow, t: float, *, refused: bool = False) -> None:
-        """The server answered the SYN (its SYN-ACK, or bytes from a connection whose
-        handshake was not captured), or refused it (a reset in answer to the SYN)."""
-        if f.connected is not None:
-            return
-        f.connected = not refused
-        answered = refused or f.synack_t == t  # the answer itself was captured
-        elapsed = round(t - f.syn_t, 6) if f.syn_t is not None and answered else None
-        self._emit(
-            ev.UpstreamConnect(
-                t=t,
-                m=t,
-                tap=f.tap,
-                conn=f.num,
-                phase="failed" if refused else "done",
-                addr=str(f.server),
-                error="connection refused (a reset in answer to the SYN)" if refused else None,
-                elapsed=elapsed,
-            )
-        )
-
-    def _apply(self, f: _Follow, item: Item) -> None:
-        obs = f.obs
-        assert obs is not None
+    def _apply(self, f: Follow, item: Item) -> None:
+        obs, resync = f.obs, f.resync
+        assert obs is not None and resync is not None
         if f.connected is None and not isinstance(item, (Syn, Reset, Closed)):
-            self._connect_done(f, f.synack_t if f.synack_t is not None else item.t)
+            f.connect_done(f.synack_t if f.synack_t is not None else item.t)
         match item:
             case Syn(t=t, ack=True):
-                self._connect_done(f, t)
+                f.connect_done(t)
                 return
             case Data(t=t, src=src, data=data):
                 side = f.side(src)
@@ -586,17 +432,17 @@ class PacketTap:
                         self.stats.skipped_bytes += len(data)
                         return
                 if side == "client":
-                    self._client_data(f, data, t)
+                    resync.client_data(data, t)
                 else:
-                    self._upstream_data(f, data, t)
+                    resync.upstream_data(data, t)
             case Gap(t=t, src=src, offset=offset, size=size, cause=cause):
                 self.stats.gaps[f.tap] += 1
                 self.stats.gap_bytes[f.tap] += size
                 if f.synced:
-                    self._gap(f, t, f.side(src), offset, size, cause)
+                    resync.gap(t, f.side(src), offset, size, cause)
             case Fin(t=t, src=src):
                 side = f.side(src)
-                self._first(f, side, "fin")
+                f.first(side, "fin")
                 if side == "client":
                     obs.client_eof(t, reset=False)
                 else:
@@ -605,10 +451,10 @@ class PacketTap:
                 side = f.side(src)
                 if f.connected is None and f.syn_t is not None:  # no answer to the SYN
                     if side == "upstream":
-                        self._connect_done(f, t, refused=True)
+                        f.connect_done(t, refused=True)
                 elif f.connected is None:  # opened before the capture began
-                    self._connect_done(f, t)
-                self._first(f, side, "reset")
+                    f.connect_done(t)
+                f.first(side, "reset")
                 if side == "client":
                     obs.client_eof(t, reset=True)
                 else:
@@ -621,404 +467,13 @@ class PacketTap:
         if obs.in_flight and not f.scheduled:
             self._schedule(f, self._stall_time(obs.last_activity_m))
 
-    # ---- gaps ---------------------------------------------------------------------------
-
-    def _gap(
-        self, f: _Follow, t: float, side: ev.Direction, offset: int, size: int, cause: str
-    ) -> None:
-        """Bytes missing from a stream: the requests whose bytes they were are marked,
-        and parsing picks up again after them where it can (see "Gaps" above)."""
-        obs = f.obs
-        assert obs is not None
-        if obs.blind:
-            return
-        why = {
-            "not_captured": "acknowledged by the peer but not in the capture",
-            "buffer_full": "never in the capture while later bytes piled up",
-            "never_filled": "not in the capture by the stream's end",
-            "snaplen": "cut by the capture's snapshot length",
-        }.get(cause, cause)
-        where = f"packet capture: {size} byte(s) of the {side} stream missing at offset {offset} ({why})"
-        resumable = obs.client_position()[2] if side == "client" else not obs.tunnel
-        if not resumable:  # a tunnel, bytes behind a protocol switch: not followed further
-            pending = obs.in_flight_requests()
-            seq = pending[0]["seq"] if pending else (obs.seq or None)
-            self._anomaly(f, t, side, seq, size, f"{where}; not parsed from there on")
-            obs.blind = True  # as after a parse failure: bytes are only counted from now on
-            obs.head_started_m = None
-            return
-        if side == "client":
-            self._client_gap(f, t, size, where)
-        else:
-            self._upstream_gap(f, t, size, where)
-
-    def _client_gap(self, f: _Follow, t: float, size: int, where: str) -> None:
-        obs = f.obs
-        assert obs is not None
-        if f.c_scan is not None:  # already skipping to a request line: more of it unknown
-            f.swallow_gap += size
-            return
-        seq: int | None = None
-        if f.c_skip:  # inside a body a gap already cut (its request marked then)
-            remaining: int | None = f.c_skip
-            f.c_skip = 0
-            inside = True
-        else:
-            req, remaining, _ = obs.client_position()
-            inside = req is not None
-            seq = None if req is None else req.seq
-            obs.restart_client(t)  # the request being read ends, not complete
-        if inside:
-            if remaining is not None and size < remaining:  # within its body: skip the rest
-                f.c_skip = remaining - size
-                if seq is not None:
-                    self._anomaly(
-                        f,
-                        t,
-                        "client",
-                        seq,
-                        size,
-                        f"{where}, inside request {seq}'s body: it is not complete; parsed "
-                        "again after its body",
-                    )
-                return
-            if remaining is not None and size == remaining:  # the end of its body
-                if seq is not None:
-                    self._anomaly(
-                        f,
-                        t,
-                        "client",
-                        seq,
-                        size,
-                        f"{where}, the end of request {seq}'s body: it is not complete; parsed "
-                        "again from the next request head",
-                    )
-                return
-            if remaining is None:  # where its body ends is not known
-                if seq is not None:
-                    self._anomaly(
-                        f,
-                        t,
-                        "client",
-                        seq,
-                        size,
-                        f"{where}, inside request {seq}'s body (where it ends is not known): it "
-                        "is not complete; parsed again from the next request line",
-                    )
-                self._swallowing(f, size, certain=False)
-                return
-            if seq is not None:
-                self._anomaly(
-                    f,
-                    t,
-                    "client",
-                    seq,
-                    size,
-                    f"{where}, from inside request {seq}'s body past its end: it is not complete",
-                )
-        # the head (the start at least) of the next request is in the gap: numbered
-        obs.seq += 1
-        f.allocated += 1
-        self._anomaly(
-            f,
-            t,
-            "client",
-            obs.seq,
-            size,
-            f"{where}: request {obs.seq}'s head is not in the capture; parsed again from the "
-            "next request line",
-        )
-        self._swallowing(f, size, certain=True)
-
-    def _swallowing(self, f: _Follow, size: int, *, certain: bool) -> None:
-        """The client's bytes are skipped to the next request line; requests the gap
-        swallowed may still be answered (``certain``: one was, numbered)."""
-        obs = f.obs
-        assert obs is not None
-        f.c_scan = b""
-        f.swallow = "certain" if certain or f.swallow == "certain" else "maybe"
-        f.swallow_gap += size
-        obs.catch_orphans = True
-
-    def _upstream_gap(self, f: _Follow, t: float, size: int, where: str) -> None:
-        obs = f.obs
-        assert obs is not None
-        if f.swallow is not None:  # requests swallowed and responses lost: not pairable
-            f.u_gap += size
-            self._unpair(f, t, "upstream", f.u_gap)
-            return
-        if f.u_scan is not None:  # already skipping to a status line
-            f.u_gap += size
-            return
-        f.u_gap = size
-        if f.u_skip:  # inside a body a gap already cut (its request marked then)
-            remaining: int | None = f.u_skip
-            f.u_skip = 0
-        else:
-            remaining = None
-            if obs.pending:
-                req = obs.pending[0]
-                remaining = obs.upstream_remaining()
-                self._anomaly(
-                    f,
-                    t,
-                    "upstream",
-                    req.seq,
-                    size,
-                    f"{where}, in request {req.seq}'s response: not known from there on",
-                )
-                self._lost_response(f, t, req, size)
-            else:
-                self._anomaly(
-                    f,
-                    t,
-                    "upstream",
-                    None,
-                    size,
-                    f"{where}, while no request waited for a response; parsed again from the "
-                    "next status line",
-                )
-            obs.restart_upstream()
-        if remaining is not None and size < remaining:  # within that body: skip the rest
-            f.u_skip = remaining - size
-            return
-        if remaining is not None and size == remaining:  # its end: the next response follows
-            return
-        if remaining is not None and obs.pending:  # past its end: the next response's head
-            req = obs.pending[0]
-            self._anomaly(
-                f,
-                t,
-                "upstream",
-                req.seq,
-                size,
-                f"{where}, past the end of the response before: request {req.seq}'s response "
-                "head is not in the capture",
-            )
-            self._lost_response(f, t, req, size)
-        f.u_scan = b""
-
-    def _lost_response(self, f: _Follow, t: float, req: WireRequest, size: int) -> None:
-        """A response bytes of which the capture does not have: ``unparsed``, never
-        ``complete`` (its figures are those of the bytes before the gap)."""
-        assert f.obs is not None
-        f.obs.end_response(
-            req,
-            t,
-            "unparsed",
-            detail=f"packet capture: {size} byte(s) of the response stream missing: the "
-            "response is not known past them",
-        )
-
-    def _client_data(self, f: _Follow, data: bytes, t: float) -> None:
-        """The client's bytes to the observer, or skipped after a gap."""
-        obs = f.obs
-        assert obs is not None
-        if obs.blind or obs.tunnel:
-            f.c_scan, f.c_skip = None, 0
-            obs.client_data(data, t)
-            return
-        if f.c_skip:
-            n = min(f.c_skip, len(data))
-            f.c_skip -= n
-            obs.skip_client(n, t)
-            data = data[n:]
-            if f.c_skip:
-                return
-            obs.restart_client(t)
-            if not data:
-                return
-        if f.c_scan is not None:
-            obs.skip_client(len(data), t)  # (the bytes fed from the request line: not again)
-            buf = f.c_scan + data
-            at = _find_request(buf)
-            if at < 0:
-                f.c_scan = buf[-RESYNC_KEEP:]
-                return
-            f.c_scan = None
-            data = buf[at:]
-            obs.client_bytes -= len(data)
-            obs.restart_client(t)
-        before = obs.seq
-        obs.client_data(data, t)
-        if f.swallow is not None and obs.seq > before:
-            self._resolve(f, t, before)
-
-    def _resolve(self, f: _Follow, t: float, before: int) -> None:
-        """The first request read after a client gap that may have swallowed requests:
-        its response is the next one where that is sure, else nothing is paired."""
-        obs = f.obs
-        assert obs is not None
-        earlier = any(r.seq <= before for r in obs.pending)
-        if earlier or f.orphans_seen < f.allocated:
-            self._unpair(f, t, "client", f.swallow_gap)
-            return
-        f.swallow = None
-        f.swallow_gap = f.allocated = f.orphans_seen = 0
-        obs.catch_orphans = False
-
-    def _upstream_data(self, f: _Follow, data: bytes, t: float) -> None:
-        """The server's bytes to the observer, or skipped after a gap."""
-        obs = f.obs
-        assert obs is not None
-        if obs.blind or obs.tunnel:
-            f.u_scan, f.u_skip = None, 0
-            obs.upstream_data(data, t)
-            return
-        if f.u_skip:
-            n = min(f.u_skip, len(data))
-            f.u_skip -= n
-            obs.skip_upstream(n, t)
-            data = data[n:]
-            if f.u_skip:
-                return
-            obs.restart_upstream()
-            if not data:
-                return
-        if f.u_scan is None:
-            obs.upstream_data(data, t)
-            orphans = obs.orphans
-            if orphans is None:
-                return
-            obs.orphans = None  # bytes after a response with no request to answer: counted
-            f.u_scan = b""
-            buf = orphans
-        else:
-            obs.skip_upstream(len(data), t)  # (the bytes fed from the status line: not again)
-            buf = f.u_scan + data
-        pos = 0
-        while (line := _STATUS_AT.search(buf, pos)) is not None:
-            at = line.start()
-            if not obs.pending:  # no request waits: a swallowed request's response, or none
-                if f.swallow is not None:
-                    self._orphan(f, t, line.group().rstrip().decode("latin-1"))
-                pos = line.end()
-                continue
-            if len(obs.pending) > 1 or f.swallow is not None:  # whose it is cannot be known
-                f.u_scan = None
-                self._unpair(f, t, "upstream", f.u_gap)
-                return
-            f.u_scan = None  # the response of the one request waiting
-            f.u_gap = 0
-            rest = buf[at:]
-            obs.upstream_bytes -= len(rest)
-            obs.restart_upstream()
-            self._upstream_data(f, rest, t)
-            return
-        f.u_scan = buf[max(pos, len(buf) - RESYNC_KEEP) :]
-
-    def _orphan(self, f: _Follow, t: float, status_line: str) -> None:
-        """A response with no request left to answer, while a client gap may have
-        swallowed requests: a swallowed request's (numbered, when not yet)."""
-        obs = f.obs
-        assert obs is not None
-        f.orphans_seen += 1
-        if f.orphans_seen <= f.allocated:
-            return  # the request its gap numbered
-        obs.seq += 1
-        f.allocated += 1
-        self._anomaly(
-            f,
-            t,
-            "client",
-            obs.seq,
-            f.swallow_gap,
-            f"packet capture: request {obs.seq} is not in the capture ({f.swallow_gap} byte(s) "
-            f"of the client stream missing), its response is ({status_line})",
-        )
-
-    def _unpair(self, f: _Follow, t: float, side: ev.Direction, gap: int) -> None:
-        """Responses can no longer be paired with requests after a gap: each request
-        waiting ends ``unparsed``; the connection is not parsed from here on."""
-        obs = f.obs
-        assert obs is not None
-        what = (
-            f"packet capture: after {gap} byte(s) missing from the {side} stream, responses "
-            "cannot be paired with their requests"
-        )
-        waiting = [r.seq for r in obs.pending]
-        for seq in waiting:
-            self._anomaly(
-                f,
-                t,
-                side,
-                seq,
-                gap,
-                f"{what}: request {seq}'s response is not known; not parsed from there on",
-            )
-        if not waiting:
-            self._anomaly(f, t, side, None, gap, f"{what}; not parsed from there on")
-        obs.unpaired(t, what)
-        f.c_scan = f.u_scan = None
-        f.c_skip = f.u_skip = 0
-        f.swallow = None
-        obs.catch_orphans = False
-
-    def _anomaly(
-        self, f: _Follow, t: float, side: ev.Direction, seq: int | None, gap: int, error: str
-    ) -> None:
-        obs = f.obs
-        assert obs is not None
-        self._emit(
-            ev.Anomaly(
-                t=t,
-                m=t,
-                tap=f.tap,
-                conn=f.num,
-                seq=seq,
-                direction=side,
-                error=error,
-                offset=obs.client_bytes if side == "client" else obs.upstream_bytes,
-                gap=gap,
-            )
-        )
-
-    def _first(self, f: _Follow, side: ev.Direction, how: Literal["fin", "reset"]) -> None:
-        """The first side to close, and how (as the inline tap records it)."""
-        if f.closed_by is not None:
-            return
-        obs = f.obs
-        assert obs is not None
-        f.closed_by, f.how = side, how
-        f.in_flight_at_close = obs.in_flight
-        if how == "fin":
-            f.fin_side = side
-            f.fin_at_bytes = (obs.client_bytes, obs.upstream_bytes)
-
-    def _close(self, f: _Follow, t: float, why: str) -> None:
-        obs = f.obs
-        assert obs is not None and f.client is not None and f.server is not None
-        if f.closed_by is None:
-            f.in_flight_at_close = obs.in_flight
-        seen_end = why in ("fin", "reset")
-        obs.close(t, shutdown=not seen_end)
+    def _close(self, f: Follow, t: float, why: str) -> None:
         tcp = f.tcp
-        up = tcp.streams[f.server]
-        self.stats.duplicate_bytes += up.duplicate + tcp.streams[f.client].duplicate
-        client_then, upstream_then = f.fin_at_bytes
-        half: ev.Direction | None = None
-        if f.fin_side == "client" and obs.upstream_bytes > upstream_then:
-            half = "client"
-        elif f.fin_side == "upstream" and obs.client_bytes > client_then:
-            half = "upstream"
-        opened = tcp.first_t if tcp.first_t is not None else t
-        self._emit(
-            ev.ConnClose(
-                t=t,
-                m=t,
-                tap=f.tap,
-                conn=f.num,
-                closed_by=f.closed_by or "none",
-                how=f.how or "unknown",
-                half_close=half,
-                in_flight=f.in_flight_at_close,
-                requests=obs.seq,
-                bytes_from_client=obs.client_bytes + f.skipped[f.client],
-                bytes_from_upstream=obs.upstream_bytes + f.skipped[f.server],
-                upstream_opened=bool(f.connected),
-                duration=round(t - opened, 6),
-            )
+        assert f.client is not None and f.server is not None
+        self.stats.duplicate_bytes += (
+            tcp.streams[f.server].duplicate + tcp.streams[f.client].duplicate
         )
+        f.close(t, why)
 
     # ---- stalls -------------------------------------------------------------------------
 
@@ -1029,7 +484,7 @@ class PacketTap:
             at = math.nextafter(at, math.inf)
         return at
 
-    def _schedule(self, f: _Follow, at: float) -> None:
+    def _schedule(self, f: Follow, at: float) -> None:
         self._order += 1
         f.scheduled = True
         heapq.heappush(self._due, (at, self._order, f.tcp.conn))
