@@ -1,4 +1,4 @@
-"""Gaps in a packet capture (``tracer/observe/passive.py``, "Gaps"): the requests whose
+"""Gaps in a packet capture (``tracer/observe/gaps.py``): the requests whose
 bytes the capture lost are marked (an ``anomaly`` with their ``seq`` and ``gap``, never a
 ``complete`` response or request), and the connection is parsed again after the gap,
 requests paired with their own responses (or with none, where that cannot be known).
