@@ -6,7 +6,8 @@
   inputs, over 100,000 across the targets.
 
 Each test takes a share of the profile's ``max_examples`` (``support.budget``). Neither
-profile keeps a database (no .hypothesis directory). The profile is loaded here, in
+profile keeps a database, and hypothesis's caches are kept in the system's temporary
+directory (no .hypothesis directory in the tree). The profile is loaded here, in
 ``pytest_configure``, before the test modules are imported; it is hypothesis's default
 for the whole session (no other tests use hypothesis). At the end of a run the counts of
 inputs per target are printed (from every xdist worker: they come with the reports)."""
@@ -14,6 +15,7 @@ inputs per target are printed (from every xdist worker: they come with the repor
 from __future__ import annotations
 
 import os
+import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from datetime import timedelta
@@ -21,8 +23,13 @@ from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
+from hypothesis.configuration import set_hypothesis_home_dir
 
 from .support import COUNTS
+
+# hypothesis keeps caches (its character tables, constants) even with no database: out of
+# the working tree
+set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "tracer-hypothesis"))
 
 settings.register_profile(
     "smoke",
