@@ -165,10 +165,13 @@ class SseSplitter:
     without ``ends``, the bytes are rewritten with LF first and a blank line is ``\n\n``,
     as it is without a CR. Both ways give the same events."""
 
-    __slots__ = ("_buf", "_held", "_prefix", "_skipped", "_suffix")
+    __slots__ = ("_buf", "_held", "_more", "_prefix", "_skipped", "_suffix")
 
     def __init__(self) -> None:
         self._buf = b""  # the event in progress (its line ends as they came, or as LF)
+        # pieces of it that ended nothing, kept apart until one may: joined then, once,
+        # so that a large event read in small pieces costs its size, not its size squared
+        self._more: list[bytes] = []
         self._held = 0  # its size, line ends counted as one
         self._skipped = 0  # bytes dropped from an event over MAX_EVENT (line ends as one)
         # the shape of the stream's plain content chunks, once one is seen (``_plain``)
@@ -184,6 +187,13 @@ class SseSplitter:
             if ends is not None:
                 ends.append(len(data))
             return [SseEvent(len(data), "content", True)]
+        if self._buf and self._ends_nothing(data):
+            self._more.append(data)
+            self._held += len(data)
+            return []
+        if self._more:
+            self._buf = b"".join([self._buf, *self._more])
+            self._more.clear()
         prev = len(self._buf)
         buf = self._buf + data if prev else data
         if 13 in buf:  # a CR (an int: a bytes operand would cost an exception here)
@@ -221,6 +231,15 @@ class SseSplitter:
         if not prev and len(events) == 1 and events[0].kind == "content" and buf is data:
             self._learn(data, events[0])
         return events
+
+    def _ends_nothing(self, data: bytes) -> bool:
+        """Whether ``data``, after the held bytes, surely completes no event and keeps the
+        event within ``MAX_EVENT``: no CR, no blank line in it nor across the seam."""
+        if 13 in data or b"\n\n" in data or self._held + len(data) > MAX_EVENT:
+            return False
+        last = (self._more[-1] if self._more else self._buf)[-1:]
+        # a held CR ends a line whatever follows; a held LF, with a LF first, a blank one
+        return last != b"\r" and not (last == b"\n" and data[:1] == b"\n")
 
     def whole_content(self, data: bytes) -> bool:
         """Whether ``feed(data)`` would give exactly one plain content event, of
