@@ -771,7 +771,14 @@ def test_taps_on_one_clock_join_the_same_body_sent_again_by_time() -> None:
     assert (v["party"], v["kind"], v["confidence"]) == ("proxy", "proxy_swallowed_request", "high")
     assert result["findings"][0]["requests"] == ["front/1/1"]
     assert result["evidence"]["tap_pairs"] == [
-        {"from": "front", "to": "back", "shared": 1, "median_delay": 0.003, "one_clock": True}
+        {
+            "from": "front",
+            "to": "back",
+            "shared": 1,
+            "median_delay": 0.003,
+            "one_clock": True,
+            "joined_by": {"content_time": 1},
+        }
     ]
     assert {t["tap"]: t["boot_id"] for t in result["taps"]} == {"front": "boot-1", "back": "boot-1"}
 
@@ -903,7 +910,14 @@ def test_taps_that_share_no_request_are_not_taken_for_a_chain() -> None:
     assert not [f for f in result["findings"] if f["party"] == "proxy"], result["findings"]
     assert result["verdict"]["kind"] == "upstream_silent"
     assert result["evidence"]["tap_pairs"] == [
-        {"from": "e1", "to": "e2", "shared": 0, "median_delay": None, "one_clock": False}
+        {
+            "from": "e1",
+            "to": "e2",
+            "shared": 0,
+            "median_delay": None,
+            "one_clock": False,
+            "joined_by": {},
+        }
     ]
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..protocol.trace_context import TRACEPARENT, TRACESTATE, parse_traceparent
+
 RETRY_HEADER = "x-stainless-retry-count"  # sent by the openai SDKs on every attempt
 # (a tap's own request, x-tracer-probe: ``protocol/probe_mark.py``)
 
@@ -18,6 +20,18 @@ def _header(headers: list[Any], wanted: str) -> str | None:
         if len(name) == len(wanted) and name.lower() == wanted:
             return str(value)
     return None
+
+
+def _trace_fields(headers: list[Any]) -> tuple[str | None, str | None, str | None]:
+    """A row's trace context from the request's ``traceparent``/``tracestate``: (trace
+    id, the client's span id, why the value is not trusted)."""
+    value = _header(headers, TRACEPARENT)
+    if value is None:
+        return None, None, None
+    got = parse_traceparent(value, _header(headers, TRACESTATE))
+    if isinstance(got, str):
+        return None, None, got
+    return got.trace_id, got.parent_span_id, None
 
 
 def _retry_count(headers: list[Any]) -> int | None:

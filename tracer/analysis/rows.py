@@ -23,6 +23,11 @@ class RequestRow:
     method: str
     target: str
     request_id: str | None = None
+    # W3C trace context the client sent (``traceparent``): its trace and its span; a
+    # value that breaks the grammar is ``trace_error``, never a trace id
+    trace_id: str | None = None
+    parent_span_id: str | None = None
+    trace_error: str | None = None
     retry_count: int | None = None  # x-stainless-retry-count: the SDK's attempt, from 0
     version: str | None = None  # HTTP version of the request: 1.1, 1.0, 2.0 (mitmproxy's)
     model: str | None = None
@@ -72,6 +77,11 @@ class RequestRow:
     # bytes of this request (or its response) a packet capture does not have (the size of
     # the gap that hit it): what it did past them is unknown
     capture_gap: int | None = None
+    # the same request at the other taps (their ids), and what joined them: trace_id,
+    # request_id, content (method, target and body, in order) or content_time (the same
+    # body sent again, told apart by time on one clock)
+    copies: list[str] = field(default_factory=list)
+    joined_by: str | None = None
 
 
 @dataclass(slots=True)

@@ -19,6 +19,7 @@ time. Schema and memory model: ``captures/ANALYSIS.md``.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -29,7 +30,7 @@ from ..redact import redact_target, scrub_text
 from ..times import iso
 from .caveats import _caveats
 from .findings import Evidence, find
-from .request_headers import _header, _retry_count
+from .request_headers import _header, _retry_count, _trace_fields
 from .rows import BUNCH_GAP as BUNCH_GAP
 from .rows import ZERO_GAP as ZERO_GAP
 from .rows import ConnectionRow as ConnectionRow
@@ -154,6 +155,7 @@ class Summary:
         self.headless_gaps = 0
         self.lags: list[dict[str, Any]] = []  # windows where a tap's own loop ran late
         self._engine_list: list[dict[str, Any]] | None = None
+        self._copies: Iterable[tuple[Any, ...]] = ()  # the join's, read with the rows
         self._health_list: list[dict[str, Any]] | None = None
 
     @property
@@ -172,6 +174,9 @@ class Summary:
 
     def close(self) -> None:
         """Free the temporary files now (they go away with the process anyway)."""
+        close = getattr(self._copies, "close", None)
+        if close is not None:
+            close()
         self.requests.close()
         self.connections.close()
         self.engine_samples.close()
@@ -210,9 +215,13 @@ class Summary:
                     if conn is not None:
                         conn.probes += 1
                     return
+                trace_id, parent_span_id, trace_error = _trace_fields(event.headers)
                 self.requests.start(
                     key,
                     RequestRow(
+                        trace_id=trace_id,
+                        parent_span_id=parent_span_id,
+                        trace_error=trace_error,
                         id=f"{event.tap}/{event.conn}/{event.seq}",
                         tap=event.tap,
                         conn=event.conn,
@@ -234,6 +243,8 @@ class Summary:
                 conn = self._conn(event.tap, event.conn)
                 if conn is not None:
                     conn.requests = max(conn.requests, event.seq)
+                    if trace_error is not None:  # kept as an anomaly, never trusted
+                        conn.anomalies.append(f"client: request {event.seq}: {trace_error}")
             case ev.RequestEnd():
                 req, written = self.requests.lookup((event.tap, event.conn, event.seq))
                 self.late_events += written
@@ -612,6 +623,8 @@ class Summary:
             headless_total=self.headless_gaps,
         )
         findings, verdict = find(evidence)
+        self._copies = evidence.copies
+        reqs = _with_copies(reqs, evidence.copies)
         caveats = _caveats(
             captures or [],
             self.taps,
@@ -672,6 +685,22 @@ class Summary:
             },
             "topology": evidence.topology,
         }
+
+
+def _with_copies(rows: Rows[RequestRow], copies: Iterable[tuple[Any, ...]]) -> Rows[RequestRow]:
+    """The rows, each with the ids of its copies at the other taps and what joined them
+    (``copies`` is in row order: merged as the rows are read back)."""
+
+    def read() -> Iterator[RequestRow]:
+        joined = iter(copies)
+        nxt = next(joined, None)
+        for pos, row in enumerate(rows):
+            if nxt is not None and nxt[0] == pos:
+                row.copies, row.joined_by = list(nxt[2]), nxt[3]
+                nxt = next(joined, None)
+            yield row
+
+    return Rows(read, len(rows))
 
 
 def _as_dicts(rows: Rows[Any]) -> Rows[dict[str, Any]]:

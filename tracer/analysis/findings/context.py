@@ -73,6 +73,9 @@ class Evidence:
     headless_total: int = 0
     # filled by ``find``: whether any request had bytes a packet capture missed
     gapped: bool = False
+    # filled by ``find``: each request joined with others at other taps, by position
+    # (position, row id, the others' ids, method), for the rows' ``copies``
+    copies: Iterable[tuple[Any, ...]] = ()
     # filled by ``find``: adjacent taps, client side first, with the median of t(b) - t(a)
     # over the requests both saw (clock offset plus the hop's transit time)
     tap_pairs: list[dict[str, Any]] = field(default_factory=list)
@@ -126,6 +129,7 @@ class Context:
         self.longest_complete: dict[str, float] = defaultdict(float)
         self._scan()
         self.order = self.join.ordered(self.counts)
+        e.copies = self.join.copies
 
     # -- the pass over the rows --------------------------------------------------------
 

@@ -81,7 +81,7 @@ class _PairOrder:
 class _Seen(NamedTuple):
     """A request as one tap saw it, in a join record (``Context._scan``): ``item`` is the
     record less its key, ``(tap, start, position, relevant at the front, coalesced, end
-    (-1: open), first event wait, events)``."""
+    (-1: open), first event wait, events, row id)``."""
 
     start: float
     pos: int
@@ -90,11 +90,22 @@ class _Seen(NamedTuple):
     end: float  # inf: still open
     wait: float  # first_event_wait
     events: int
+    rid: str
 
     @classmethod
     def of(cls, item: tuple[Any, ...]) -> tuple[str, _Seen]:
-        tap, start, pos, rel, coal, end, wait, events = item
-        return tap, cls(start, pos, rel, coal, end if end >= 0 else math.inf, wait, events)
+        tap, start, pos, rel, coal, end, wait, events, rid = item
+        return tap, cls(start, pos, rel, coal, end if end >= 0 else math.inf, wait, events, rid)
+
+
+def join_method(key: str) -> str:
+    """What joined a group, from its key: the client's trace id, its ``x-request-id``,
+    the content in order of occurrence, or the content told apart by time (one clock)."""
+    if key.startswith("tr:"):
+        return "trace_id"
+    if key.startswith("id:"):
+        return "request_id"
+    return "content" if "#" in key else "content_time"
 
 
 @dataclass
@@ -103,6 +114,10 @@ class _Group:
 
     first: tuple[str, float, int]  # (tap, start, position): where the key appears first
     members: dict[str, _Seen]
+
+
+def pair_key(a: str, b: str) -> tuple[str, str]:
+    return (a, b) if a < b else (b, a)
 
 
 def shared_clock(taps: list[dict[str, Any]]) -> bool:
@@ -236,8 +251,13 @@ class Join:
         self.taps = taps
         self.rows_at = rows_at
         self.order: list[str] = []
+        self.by_trace: SortedSpool[tuple[Any, ...]] = tuple_spool()
         self.by_id: SortedSpool[tuple[Any, ...]] = tuple_spool()
         self.by_print: SortedSpool[tuple[Any, ...]] = tuple_spool()
+        # every request joined with others: (position, row id, the others' ids, method)
+        self.copies: SortedSpool[tuple[Any, ...]] = tuple_spool()
+        # per pair of taps (in name order): how many requests each method joined
+        self.methods: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._groups: list[_Group] = []
         self._pairs: dict[tuple[str, str], _PairOrder] = defaultdict(_PairOrder)
         self._retry_taps: set[str] = set()  # taps that saw the openai SDK's retry counts
@@ -249,28 +269,73 @@ class Join:
         self.first_held: dict[tuple[str, str], Holds] = defaultdict(Holds)
 
     def add(self, r: RequestRow, pos: int, rel: bool, coal: bool, wait: float) -> None:
-        """A request to join (``rel``: relevant at the front; ``coal``: bunched or buffered)."""
+        """A request to join (``rel``: relevant at the front; ``coal``: bunched or buffered).
+        By the client's trace id first (``_join`` keeps it where it is one request's at
+        every tap), else by ``x-request-id``, else by content."""
         end_at = r.end if r.end is not None else -1.0  # (-1: still open)
         if r.retry_count is not None:
             self._retry_taps.add(r.tap)
-        if r.request_id:
-            key = f"id:{r.request_id}"
-            self.by_id.add((key, r.tap, r.start, pos, rel, coal, end_at, wait, r.events))
-        elif r.request_bytes:  # a request without a body has nothing to join by
+        seen = (r.tap, r.start, pos, rel, coal, end_at, wait, r.events, r.id)
+        fingerprint, retry = "", -1
+        if r.request_bytes:  # a request without a body has no content to join by
             content = r.content_sha256 or r.body_sha256
             fingerprint = f"{r.method} {r.target} {content}"
             retry = -1 if r.retry_count is None else r.retry_count
-            self.by_print.add(
-                (r.tap, fingerprint, r.start, retry, pos, rel, coal, end_at, wait, r.events)
-            )
+        if r.trace_id:
+            self.by_trace.add((f"tr:{r.trace_id}", *seen, r.request_id or "", fingerprint, retry))
+        else:
+            self._add_fallback(seen, r.request_id or "", fingerprint, retry)
+
+    def _add_fallback(
+        self, seen: tuple[Any, ...], request_id: str, fingerprint: str, retry: int
+    ) -> None:
+        if request_id:
+            self.by_id.add((f"id:{request_id}", *seen))
+        elif fingerprint:
+            tap, start, *rest = seen
+            self.by_print.add((tap, fingerprint, start, retry, *rest))
+
+    def _by_trace(self, keyed: SortedSpool[tuple[Any, ...]], taps: int) -> None:
+        """Trace ids that are one request's at each tap join their requests; a trace id
+        that a tap saw more than once (a client that sends one per session, a retry)
+        joins nothing, and its requests go by request id or content. Streamed: a trace
+        id seen more often than there are taps is known to repeat at once."""
+        group: list[tuple[Any, ...]] = []
+        repeated: str | None = None  # the key being sent the other way as it comes
+
+        def flush() -> None:
+            seen = [g[1] for g in group]
+            if len(set(seen)) == len(seen) > 1:
+                for g in group:
+                    keyed.add(g[:10])
+            else:
+                for g in group:
+                    self._add_fallback(g[1:10], *g[10:])
+            group.clear()
+
+        for item in self.by_trace:
+            if item[0] == repeated:
+                self._add_fallback(item[1:10], *item[10:])
+                continue
+            if group and item[0] != group[0][0]:
+                flush()
+            group.append(item)
+            if len(group) > taps:
+                repeated = item[0]
+                for g in group:
+                    self._add_fallback(g[1:10], *g[10:])
+                group.clear()
+        if group:
+            flush()
 
     def run(self, counts: dict[str, int]) -> None:
         """Group what was added (``counts``: the requests per tap)."""
         self._join(self.by_id, self.by_print, counts)
 
     def close(self) -> None:
+        self.by_trace.close()
         self.by_id.close()
-        self.by_print.close()
+        self.by_print.close()  # (``copies`` is the analysis's to close, once it is written)
 
     def ordered(self, counts: dict[str, int]) -> list[str]:
         """Set and return ``order``: the taps from the client side to the engine side."""
@@ -300,11 +365,12 @@ class Join:
         slack = self._slack = SHARED_CLOCK_SLACK if shared else JOIN_SLACK
         # a hop that drops the SDK's retry count (the SGLang router does) leaves it out
         retries = self._retry_taps >= counts.keys()
-        by_time = _repeated_prints(_print_keys(by_print, retries)) if shared else set()
         keyed: SortedSpool[tuple[Any, ...]] = tuple_spool()
         try:
+            self._by_trace(keyed, len(counts))  # (first: what it leaves goes their way)
             for item in by_id:
                 keyed.add(item)
+            by_time = _repeated_prints(_print_keys(by_print, retries)) if shared else set()
             for key, n, item in _print_keys(by_print, retries):
                 keyed.add((key if key in by_time else f"{key}#{n}", *item))
             group_key: str | None = None
@@ -328,11 +394,12 @@ class Join:
         """
         if not items:
             return
+        method = join_method(items[0][0])
         taps = [item[1] for item in items]
         if len(set(taps)) == len(taps):
             _, tap, start, pos, *_ = items[0]
             members = dict(_Seen.of(item[1:]) for item in items)
-            self._close_group(_Group(first=(tap, start, pos), members=members))
+            self._close_group(_Group(first=(tap, start, pos), members=members), method)
             return
         groups: list[_Group] = []
         for item in sorted(items, key=lambda i: i[2]):
@@ -350,9 +417,9 @@ class Join:
                 groups.append(group)
             group.members[tap] = seen
         for group in groups:
-            self._close_group(group)
+            self._close_group(group, method)
 
-    def _close_group(self, group: _Group | None) -> None:
+    def _close_group(self, group: _Group | None, method: str) -> None:
         if group is None:
             return
         taps = sorted(group.members)
@@ -360,6 +427,11 @@ class Join:
         for i, a in enumerate(taps):
             for b in taps[i + 1 :]:
                 self._pairs[(a, b)].add(members[b].start - members[a].start)
+                self.methods[(a, b)][method] += 1
+        if len(taps) > 1:
+            for tap, m in members.items():
+                others = [members[t].rid for t in taps if t != tap]
+                self.copies.add((m.pos, m.rid, others, method))
         lo, hi = FIRST_EVENT_HELD
         for outer, o in members.items():
             for inner, n in members.items():
@@ -435,6 +507,7 @@ class Join:
                         "shared": self.shared(a, b),
                         "median_delay": None if median is None else round(sign * median, 6),
                         "one_clock": self.one_clock(a, b),
+                        "joined_by": dict(sorted(self.methods.get(pair_key(a, b), {}).items())),
                     }
                 )
         return out
