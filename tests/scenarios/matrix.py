@@ -14,6 +14,7 @@ from fnmatch import fnmatch
 import tracer
 from tracer.analysis.summary import Summary
 from tracer.capture.files import read_into
+from tracer.evidence.engine_requests import read_engine_requests
 from tracer.times import parse_time
 
 root = pathlib.Path(__file__).resolve().parents[2] / "tests" / "data" / "scenarios"
@@ -25,7 +26,10 @@ for case in sorted(root.glob("*/expect.json")):
         for n in exp["captures"]:
             read_into(d / n, s.feed)
         marks = [parse_time(t, s.first_t, s.last_t) for t in exp.get("hang_at", [])]
-        r = s.result(hang_at=marks)
+        records = [
+            x for n in exp.get("engine_requests", []) for x in read_engine_requests(d / n).records
+        ]
+        r = s.result(hang_at=marks, engine_requests=records)
         v = r["verdict"]
         fs = r["findings"]
         want = exp["verdict"]

@@ -20,19 +20,31 @@ import pytest
 
 from tracer.analysis.summary import Summary
 from tracer.capture.files import read_into
+from tracer.evidence.engine_requests import read_engine_requests
 from tracer.times import parse_time
 
 SCENARIOS = Path(__file__).parent.parent / "data" / "scenarios"
 CASES = sorted(p.parent.name for p in SCENARIOS.glob("*/expect.json"))
 
 
-def analyze(case: Path, captures: list[str], hang_at: list[str] | None = None) -> dict[str, Any]:
-    """What ``tracer analyze CAPTURE... --format json [--hang-at T ...]`` computes
-    (tracer/present/analyze.py), in-process."""
+def analyze(
+    case: Path,
+    captures: list[str],
+    hang_at: list[str] | None = None,
+    engine_requests: list[str] | None = None,
+) -> dict[str, Any]:
+    """What ``tracer analyze CAPTURE... --format json [--hang-at T ...] [--engine-requests
+    FILE ...]`` computes (tracer/present/analyze.py), in-process; ``engine_requests``
+    defaults to the case's own (``expect.json``)."""
+    if engine_requests is None and (case / "expect.json").exists():
+        engine_requests = json.loads((case / "expect.json").read_text()).get("engine_requests")
+    records = [
+        x for name in engine_requests or [] for x in read_engine_requests(case / name).records
+    ]
     with Summary() as summary:
         infos = [read_into(case / name, summary.feed).describe(name) for name in captures]
         marks = [parse_time(t, summary.first_t, summary.last_t) for t in hang_at or []]
-        result = summary.result(captures=infos, hang_at=marks)
+        result = summary.result(captures=infos, hang_at=marks, engine_requests=records)
         return {
             "verdict": dict(result["verdict"]),
             "findings": [dict(f) for f in result["findings"]],

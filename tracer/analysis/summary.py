@@ -592,6 +592,7 @@ class Summary:
         hang_at: list[float] | None = None,
         client_facing: list[str] | None = None,
         raw_rows: bool = False,
+        engine_requests: list[Any] | None = None,
     ) -> dict[str, Any]:
         """The analysis document. ``requests`` and ``connections`` are ``Rows``: iterable
         (several times, in table order, each row read back one at a time) with ``len()``;
@@ -621,6 +622,7 @@ class Summary:
             unvouched_total=self.unvouched_total,
             headless=self.headless,
             headless_total=self.headless_gaps,
+            engine_requests=list(engine_requests or []),  # --engine-requests
         )
         findings, verdict = find(evidence)
         self._copies = evidence.copies
@@ -682,6 +684,16 @@ class Summary:
                 "mark_states": evidence.mark_states,
                 "tap_pairs": evidence.tap_pairs,
                 "tap_lags": self.lags,
+                **(
+                    {
+                        "engine_requests": {
+                            "records": len(engine_requests),
+                            "joined": evidence.engine_requests_joined,
+                        }
+                    }
+                    if engine_requests
+                    else {}
+                ),
             },
             "topology": evidence.topology,
         }

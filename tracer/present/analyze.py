@@ -65,6 +65,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "default: %(default)s)",
     )
     incident_arguments(parser)
+    parser.add_argument(
+        "--engine-requests",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="the engines' own per-request records (repeatable): SGLang's "
+        "--export-metrics-to-file JSONL (a file, or its folder), or vLLM's spans as OTLP JSON "
+        "(the OpenTelemetry Collector's file exporter); joined to the requests by "
+        "x-request-id or traceparent (docs/evidence.md)",
+    )
     packet_arguments(parser)
     rows = parser.add_argument_group("filters (the rows and findings shown)")
     rows.add_argument("--since", metavar="TIME", help="from this time (as --hang-at)")
@@ -163,6 +173,7 @@ def packet_options(args: argparse.Namespace) -> PacketOptions:
 
 def run(args: argparse.Namespace) -> int:
     packets = packet_options(args)
+    engine_requests = _engine_requests(getattr(args, "engine_requests", []))
     known = KnownTaps.of(capture_headers(args.captures))  # whose x-tracer-probe to believe
     with Summary(known_taps=known) as summary:  # (spilled rows are released on exit)
         captures = [
@@ -179,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
             hang_at=marks,
             client_facing=args.client_facing,
             raw_rows=args.format == "json",
+            engine_requests=engine_requests,
         )
         keep = RowFilter(since, until, args.tap, args.conn, args.id)
         if keep.active:
@@ -201,6 +213,25 @@ def run(args: argparse.Namespace) -> int:
                 brief=args.brief,
             )
     return 0
+
+
+def _engine_requests(paths: list[str]) -> list[Any]:
+    """The records of ``--engine-requests`` (read before the captures: a file that is
+    neither format stops the run at once, exit 3); bad lines are said on stderr."""
+    if not paths:
+        return []
+    from ..evidence.engine_requests import read_engine_requests
+
+    records: list[Any] = []
+    for path in paths:
+        got = read_engine_requests(path)
+        records += got.records
+        if got.bad_lines:
+            print(
+                f"tracer: {path}: {counted(got.bad_lines, 'line')} not read ({got.first_bad})",
+                file=sys.stderr,
+            )
+    return records
 
 
 class _Attrs(dict[str, Any]):

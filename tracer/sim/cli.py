@@ -173,6 +173,18 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         help="NAME[:ARG...][@RULE,...], e.g. stall:after=3:for=10@every=5 (see below)",
     )
     se.add_argument(
+        "--export-request-metrics",
+        metavar="FILE",
+        help="write one line per finished request as SGLang's --export-metrics-to-file does "
+        "(JSONL; for tracer analyze --engine-requests)",
+    )
+    se.add_argument(
+        "--export-spans",
+        metavar="FILE",
+        help="write each finished request's vLLM-style llm_request span as OTLP JSON, as "
+        "the OpenTelemetry Collector's file exporter does (for tracer analyze --engine-requests)",
+    )
+    se.add_argument(
         "--from",
         dest="from_capture",
         metavar="CAPTURE",
@@ -259,6 +271,8 @@ def _engine(args: argparse.Namespace) -> int:
         health_timeout=args.health_timeout,
         early_headers=args.early_headers,
         faults=list(args.fault),
+        export_request_metrics=getattr(args, "export_request_metrics", None),
+        export_spans=getattr(args, "export_spans", None),
     )
     from .playback import PlaybackEngine, load_playbook
 

@@ -63,6 +63,7 @@ from .http1 import (
     _watch_client,
 )
 from .openai_bodies import _chunk, _Ctx, _dumps, _error_obj, _prompt_tokens, _token, _usage
+from .request_records import RecordWriter
 from .scheduler import EngineType, Scheduler, SchedulerConfig, SimRequest
 
 log = structlog.get_logger("tracer.sim.engine")
@@ -92,6 +93,10 @@ class EngineConfig:
     health_timeout: float = 20.0
     early_headers: bool = False
     faults: list[Fault] = field(default_factory=list)
+    # the engine's own per-request records (request_records.py): SGLang's JSONL, vLLM's
+    # spans as OTLP JSON
+    export_request_metrics: str | None = None
+    export_spans: str | None = None
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -122,6 +127,7 @@ class SimEngine:
         self.lost = 0  # requests held by the ``lost`` fault right now
         self.connections = 0
         self.hits: Counter[str] = Counter()  # "METHOD /path" -> requests
+        self.records = RecordWriter(config.export_request_metrics, config.export_spans)
         self.started_at = time.monotonic()
 
     @property
@@ -449,6 +455,8 @@ class SimEngine:
             if not (ignore and outcome == "gone"):  # ignore-disconnect: it decodes on
                 self.scheduler.abort(req)  # no-op when it finished
             req.receive.close()
+            if self.records.active:
+                self.records.write(req, chat=chat, payload=payload, headers=hdrs, finish=finish)
         if outcome in ("close", "reset", "gone"):
             raise _Hangup(reset=outcome == "reset")
 

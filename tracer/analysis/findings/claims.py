@@ -46,8 +46,15 @@ FAILURE_KINDS = {
     "stale_connection_race",
     "client_abort",
     "client_not_reading",
+    "lost_before_engine",  # decided by the engines' own records (engine_records)
+    "lost_after_engine",
 }
-HUNG_KINDS = {"proxy_hung_on_reuse", "proxy_swallowed_request", "engine_lost_request"}
+HUNG_KINDS = {
+    "proxy_hung_on_reuse",
+    "proxy_swallowed_request",
+    "engine_lost_request",
+    "lost_before_engine",
+}
 LOWER = {"high": "medium", "medium": "low", "low": "low"}
 
 

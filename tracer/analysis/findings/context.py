@@ -68,6 +68,10 @@ class Evidence:
     # first few ids; how many): client requests, with a note
     unvouched: list[str] = field(default_factory=list)
     unvouched_total: int = 0
+    # the engines' own per-request records (``--engine-requests``: ``EngineRequest``s of
+    # ``evidence/engine_requests``), and (filled by ``find``) how many rows joined one
+    engine_requests: list[Any] = field(default_factory=list)
+    engine_requests_joined: int = 0
     # requests a packet capture's gap swallowed whole (no row: id, t, gap; how many)
     headless: list[dict[str, Any]] = field(default_factory=list)
     headless_total: int = 0

@@ -19,6 +19,7 @@ from .client import analyze_client, analyze_client_connections
 from .context import Context, Evidence
 from .delivery import analyze_delivery, analyze_first_events, analyze_reused_first_events
 from .endings import analyze_upstream_endings
+from .engine_records import analyze_engine_records
 from .hangs import analyze_request_hangs
 from .incomplete import set_aside_gapped, set_aside_lost
 from .injected import injected_by_the_tap
@@ -146,6 +147,7 @@ def find(e: Evidence) -> tuple[list[Finding], dict[str, Any]]:
         findings += analyzer(ctx)
     findings = join_taps(ctx, findings)
     findings = injected_by_the_tap(ctx, findings)
+    findings = analyze_engine_records(ctx, findings)  # the engines' own records
     _discount_starved(ctx, findings)
     findings = set_aside_lost(ctx, findings)
     findings = set_aside_gapped(ctx, findings)
