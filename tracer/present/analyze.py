@@ -25,6 +25,7 @@ from ..analysis.summary import Summary
 from ..arguments import non_negative_int
 from ..capture.files import PacketOptions, expand_captures, read_into
 from ..capture.reader import capture_headers
+from ..capture.segments import plan_window
 from ..protocol.probe_mark import KnownTaps
 from ..times import parse_time
 from ..wording import counted
@@ -175,12 +176,20 @@ def run(args: argparse.Namespace) -> int:
     packets = packet_options(args)
     engine_requests = _engine_requests(getattr(args, "engine_requests", []))
     known = KnownTaps.of(capture_headers(args.captures))  # whose x-tracer-probe to believe
+    files = expand_captures(args.captures)
+    # a window over rotated captures reads only the segments it needs (capture/segments.py)
+    window = plan_window(files, args.since, args.until) if args.since or args.until else None
+    window = window if window is not None and window.skips else None
     with Summary(known_taps=known) as summary:  # (spilled rows are released on exit)
-        captures = [
-            read_into(path, summary.feed, packets).describe(Path(path).name)
-            for path in expand_captures(args.captures)
-        ]
+        if window is not None:
+            captures = window.read(summary.feed, read_into)
+        else:
+            captures = [
+                read_into(path, summary.feed, packets).describe(Path(path).name) for path in files
+            ]
         first, last = summary.first_t, summary.last_t
+        if window is not None:
+            first, last = window.origin, window.end  # the captures', not what was read
         marks = [parse_time(v, first, last) for v in args.hang_at]
         since = parse_time(args.since, first, last, option="--since") if args.since else None
         until = parse_time(args.until, first, last, option="--until") if args.until else None
@@ -195,6 +204,8 @@ def run(args: argparse.Namespace) -> int:
         keep = RowFilter(since, until, args.tap, args.conn, args.id)
         if keep.active:
             keep.apply(result)
+        if window is not None:
+            result["filter"]["segments"] = window.to_json()
         if args.format == "json":
             write_json(result, sys.stdout)
         elif args.format == "md":
@@ -325,9 +336,22 @@ class RowFilter:
         for name, values in (("tap", self.taps), ("conn", self.conns), ("id", self.ids)):
             if values:
                 parts.append(f"{name} {', '.join(sorted(values))}")
+        over = "everything"
+        segments = result.get("filter", {}).get("segments")
+        if segments:  # a window over rotated captures: only its segments were read
+            read = segments["read"] + segments["followed"]
+            over = (
+                f"the {read} of {counted(read + segments['skipped'], 'segment')} that hold the "
+                "window"
+            )
+            if segments["requests_cut"]:
+                over += (
+                    f"; {counted(segments['requests_cut'], 'request')} open at its start "
+                    "began in a segment not read: not shown"
+                )
         return (
             f"filter: {'; '.join(parts)}: {counted(len(result['requests']), 'request')}, "
             f"{counted(len(result['connections']), 'connection')}, "
             f"{counted(len(result['findings']), 'finding')} shown (the verdict and totals are "
-            "over everything)"
+            f"over {over})"
         )
