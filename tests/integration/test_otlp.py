@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import time
@@ -24,6 +25,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from tests.support.net import wait_until
 from tests.support.procs import tracer_proxy
+from tests.support.tap import RawUpstream, UpConn
 from tracer.sim.engine import EngineConfig, SimEngine
 
 pytestmark = pytest.mark.anyio
@@ -239,10 +241,44 @@ async def test_one_span_per_request_with_conventions_position_and_events() -> No
     assert "tracer.stall.start" in {e.name for e in held.events}
 
 
-async def test_traceparent_makes_the_span_a_child_of_the_clients() -> None:
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{TRACE_ID}-{CLIENT_SPAN}-01"
+# the flags bits that say the parent is known remote (opentelemetry-proto's SpanFlags)
+REMOTE_KNOWN, REMOTE = 0x100, 0x200
+
+
+async def _metrics(proc: Any) -> dict[str, float]:
+    """The admin's /metrics as ``{'name{labels}': value}``."""
+    async with httpx.AsyncClient() as client:
+        r = await client.get(proc.admin + "/metrics")
+    r.raise_for_status()
+    out = {}
+    for line in r.text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def _dropped(metrics: dict[str, float], reason: str, tap: str = "tap") -> float:
+    return metrics[f'tracer_otlp_spans_dropped_total{{reason="{reason}",tap="{tap}"}}']
+
+
+def _done_counts(lines: list[str]) -> dict[str, int]:
+    """The counts in the stop line (``otlp export done exported=N dropped_REASON=N``)."""
+    (line,) = [x for x in lines if "otlp export done" in x]
+    return {k: int(v) for k, v in re.findall(r"\b(exported|dropped\w*)=(\d+)", line)}
+
+
+async def test_traceparent_makes_the_span_a_child_of_the_clients_and_bad_ones_roots() -> None:
     collector = Collector()
-    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
-    parent_id = "00f067aa0ba902b7"
+    invalid = {
+        "short": f"00-{TRACE_ID[:-1]}-{CLIENT_SPAN}-01",
+        "zeros": f"00-{'0' * 32}-{CLIENT_SPAN}-01",
+        "ff": f"ff-{TRACE_ID}-{CLIENT_SPAN}-01",
+        "upper": f"00-{TRACE_ID.upper()}-{CLIENT_SPAN}-01",
+    }
     async with anyio.create_task_group() as tg:
         await tg.start(collector.serve)
         async with upstream(ttft=0.0, itl=0.0) as engine_url:
@@ -252,21 +288,139 @@ async def test_traceparent_makes_the_span_a_child_of_the_clients() -> None:
                 "127.0.0.1:0",
                 "--upstream",
                 engine_url,
+                "--tap",
+                "tap",
+                "--admin",
+                "127.0.0.1:0",
                 "--otlp",
                 f"http://127.0.0.1:{collector.port}/",
             ) as proc:
-                async with httpx.AsyncClient() as client:
+                async with httpx.AsyncClient() as client:  # one connection for them all
                     await _stream(
-                        client, proc.url, "child", traceparent=f"00-{trace_id}-{parent_id}-01"
+                        client,
+                        proc.url,
+                        "child",
+                        traceparent=TRACEPARENT,
+                        tracestate="vendor=opaque,other=x1",
                     )
+                    for rid, value in invalid.items():
+                        assert await _stream(client, proc.url, rid, traceparent=value) > 4
+                    assert await _stream(client, proc.url, "after") > 4  # still serving
                 # exported on the processor's schedule, before any stop
-                await wait_until(lambda: len(collector.spans) == 1, 10)
+                await wait_until(lambda: len(collector.spans) == 2 + len(invalid), 10)
+                metrics = await _metrics(proc)
         tg.cancel_scope.cancel()
-    span = collector.spans[0]
-    assert span.trace_id.hex() == trace_id and span.parent_span_id.hex() == parent_id
+    assert metrics['tracer_otlp_traceparent_invalid_total{tap="tap"}'] == len(invalid)
+    assert metrics['tracer_otlp_spans_exported_total{tap="tap"}'] == 2 + len(invalid)
+    spans = {_attrs(s.attributes)["tracer.request_id"]: s for s in collector.spans}
+    child = spans["child"]
+    assert child.trace_id.hex() == TRACE_ID and child.parent_span_id.hex() == CLIENT_SPAN
+    assert child.span_id.hex() not in (CLIENT_SPAN, "0" * 16)
+    assert child.trace_state == "vendor=opaque,other=x1"  # the client's, in the span context
+    assert child.flags & REMOTE_KNOWN and child.flags & REMOTE  # its parent is remote
+    assert "tracer.traceparent_invalid" not in _attrs(child.attributes)
+    for rid, value in invalid.items():
+        span = spans[rid]
+        assert span.parent_span_id == b"", f"{rid}: a root span"
+        assert span.trace_id.hex() != TRACE_ID and len(span.trace_id) == 16
+        assert _attrs(span.attributes)["tracer.traceparent_invalid"] == value
+        assert _attrs(span.attributes)["http.response.status_code"] == 200
+    assert spans["after"].parent_span_id == b""
+    assert "tracer.traceparent_invalid" not in _attrs(spans["after"].attributes)
+    assert not any("Traceback" in x for x in proc.lines)
 
 
-async def test_collector_down_traffic_flows_and_failure_is_logged_once(refused_port: int) -> None:
+async def test_two_taps_in_a_row_are_both_children_of_the_clients_span() -> None:
+    """client -> front tap -> back tap -> engine: the front tap forwards traceparent as it
+    came, so the back tap's span has the same parent as the front's: the client's."""
+    collector = Collector()
+    async with anyio.create_task_group() as tg:
+        await tg.start(collector.serve)
+        otlp_url = f"http://127.0.0.1:{collector.port}"
+        async with upstream(ttft=0.0, itl=0.0) as engine_url:
+            back_args = ["--tap", "back", "--otlp", otlp_url]
+            async with tracer_proxy(
+                "proxy", "--listen", "127.0.0.1:0", "--upstream", engine_url, *back_args
+            ) as back:
+                front_args = ["--tap", "front", "--otlp", otlp_url]
+                async with tracer_proxy(
+                    "proxy", "--listen", "127.0.0.1:0", "--upstream", back.url, *front_args
+                ) as front:
+                    async with httpx.AsyncClient() as client:
+                        events = await _stream(
+                            client, front.url, "chained", traceparent=TRACEPARENT
+                        )
+                        assert events > 4
+                    await wait_until(lambda: len(collector.spans) == 2, 10)
+        tg.cancel_scope.cancel()
+    by_tap = {}
+    for resource, span in zip(collector.resources, collector.spans, strict=True):
+        by_tap[resource["tracer.tap"]] = span
+    assert set(by_tap) == {"front", "back"}
+    for tap, span in by_tap.items():
+        assert span.trace_id.hex() == TRACE_ID, tap
+        assert span.parent_span_id.hex() == CLIENT_SPAN, tap
+        assert _attrs(span.attributes)["tracer.request_id"] == "chained"
+    assert by_tap["front"].span_id != by_tap["back"].span_id
+    # the back tap's span lies inside the front's
+    front, back = by_tap["front"], by_tap["back"]
+    assert front.start_time_unix_nano <= back.start_time_unix_nano
+    assert back.end_time_unix_nano <= front.end_time_unix_nano
+
+
+async def test_trace_headers_reach_the_upstream_byte_identical() -> None:
+    """The tap with --otlp forwards the request as it came: traceparent and tracestate
+    (odd case, spaces, two tracestate lines) byte for byte, nothing added."""
+    body = b'{"model": "m", "messages": []}'
+    reply = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+
+    async def answer(stream: SocketStream, conn: UpConn) -> None:
+        await conn.wait_for(lambda c: c.received.endswith(body))
+        await stream.send(reply)
+        await conn.wait_for(lambda c: c.eof or c.reset, timeout=30)
+
+    raw = RawUpstream(answer)
+    collector = Collector()
+    async with anyio.create_task_group() as tg:
+        await tg.start(collector.serve)
+        await tg.start(raw.serve)
+        async with tracer_proxy(
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            f"http://127.0.0.1:{raw.port}",
+            "--otlp",
+            f"http://127.0.0.1:{collector.port}",
+        ) as proc:
+            sent = (
+                b"POST /v1/chat/completions HTTP/1.1\r\n"
+                + f"Host: 127.0.0.1:{proc.port}\r\n".encode()
+                + f"TraceParent:  {TRACEPARENT} \r\n".encode()
+                + b"tracestate: vendor=opaque ,  congo=t61rcWkgMzE\r\n"
+                + b"TRACESTATE: rojo=00f067aa0ba902b7\r\n"
+                + b"content-type: application/json\r\n"
+                + f"content-length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            async with await anyio.connect_tcp("127.0.0.1", proc.port) as client:
+                await client.send(sent)
+                got = b""
+                with anyio.fail_after(10):
+                    while not got.endswith(b"{}"):
+                        got += await client.receive()
+            await wait_until(lambda: len(collector.spans) == 1, 10)
+        tg.cancel_scope.cancel()
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert bytes(raw.conns[0].received) == sent, "the request, byte for byte"
+    (span,) = collector.spans
+    assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == CLIENT_SPAN
+    assert span.trace_state == "vendor=opaque,congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"
+
+
+async def test_collector_down_traffic_flows_drops_counted_failure_logged_once(
+    refused_port: int,
+) -> None:
     dead = refused_port  # nothing listens there
     async with upstream(ttft=0.0, itl=0.0) as engine_url:
         async with tracer_proxy(
@@ -275,6 +429,10 @@ async def test_collector_down_traffic_flows_and_failure_is_logged_once(refused_p
             "127.0.0.1:0",
             "--upstream",
             engine_url,
+            "--tap",
+            "tap",
+            "--admin",
+            "127.0.0.1:0",
             "--otlp",
             f"http://127.0.0.1:{dead}",
         ) as proc:
@@ -284,6 +442,7 @@ async def test_collector_down_traffic_flows_and_failure_is_logged_once(refused_p
                 await wait_until(lambda: any("otlp export failed" in x for x in proc.lines), 10)
                 for i in range(3):  # still flowing after the failure
                     assert await _stream(client, proc.url, f"b{i}") > 4
+                metrics = await _metrics(proc)
             started = time.monotonic()
             proc.process.send_signal(signal.SIGTERM)
             with anyio.fail_after(10):
@@ -292,6 +451,77 @@ async def test_collector_down_traffic_flows_and_failure_is_logged_once(refused_p
     assert sum("otlp export failed" in x for x in proc.lines) == 1
     assert not any("Traceback" in x for x in proc.lines)
     assert stopped_in < 5, f"stop took {stopped_in:.1f}s with the collector down"
+    assert metrics['tracer_otlp_spans_exported_total{tap="tap"}'] == 0
+    assert _dropped(metrics, "export_failed") >= 1  # the first batch, a0 at least
+    assert _dropped(metrics, "queue_full") == 0
+    # at the stop, every span is accounted for: none exported, all 6 dropped
+    counts = _done_counts(proc.lines)
+    assert counts["exported"] == 0 and counts["dropped"] == 6, counts
+    assert counts["dropped_export_failed"] >= 1
+    assert sum(v for k, v in counts.items() if k.startswith("dropped_")) == 6, counts
+
+
+async def test_a_hung_collector_never_slows_traffic_and_a_full_queue_drops_counted() -> None:
+    """A collector that accepts and never answers: each export hangs for its timeout.
+    Requests through the tap take no longer for it; with --otlp-queue 2, the spans past
+    the queue are dropped and counted as queue_full."""
+    held: list[SocketStream] = []
+
+    async def hold(stream: SocketStream) -> None:
+        held.append(stream)
+        with suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+            while True:
+                await stream.receive()
+
+    n = 10
+    async with anyio.create_task_group() as tg:
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        port = int(listener.extra(SocketAttribute.local_port))
+        tg.start_soon(listener.serve, hold)
+        async with upstream(ttft=0.0, itl=0.0) as engine_url:
+            async with tracer_proxy(
+                "proxy",
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                engine_url,
+                "--tap",
+                "tap",
+                "--admin",
+                "127.0.0.1:0",
+                "--otlp",
+                f"http://127.0.0.1:{port}",
+                "--otlp-queue",
+                "2",
+            ) as proc:
+                took = []
+                async with httpx.AsyncClient() as client:
+                    assert await _stream(client, proc.url, "warm") > 4  # a span, queued
+                    await wait_until(lambda: bool(held), 5)  # it is being sent: it hangs
+                    started = time.monotonic()
+                    for i in range(n):
+                        t0 = time.monotonic()
+                        assert await _stream(client, proc.url, f"r{i}") > 4
+                        took.append(time.monotonic() - t0)
+                    burst = time.monotonic() - started
+                metrics = await _metrics(proc)
+                stop_started = time.monotonic()
+                proc.process.send_signal(signal.SIGTERM)
+                with anyio.fail_after(15):
+                    assert await proc.process.wait() == 0
+                stopped_in = time.monotonic() - stop_started
+        tg.cancel_scope.cancel()
+    assert max(took) < 1.5, f"a request took {max(took):.2f}s while the collector hung"
+    assert metrics['tracer_otlp_spans_exported_total{tap="tap"}'] == 0
+    # while the first export hangs (3 s) the queue takes 2 more: the rest are dropped
+    queue_full = _dropped(metrics, "queue_full")
+    assert queue_full >= (n - 2 if burst < 2.5 else 1), (queue_full, burst)
+    assert sum("otlp queue full" in x for x in proc.lines) == 1
+    counts = _done_counts(proc.lines)
+    assert counts["exported"] == 0 and counts["dropped"] == n + 1, counts
+    assert counts["dropped_queue_full"] == queue_full
+    assert stopped_in < 8, f"stop took {stopped_in:.1f}s with the collector hung"
+    assert not any("Traceback" in x for x in proc.lines)
 
 
 async def test_bad_otlp_url_is_a_usage_error() -> None:

@@ -255,7 +255,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=http_url,
         metavar="URL",
         help="export one OpenTelemetry span per request to this OTLP/HTTP endpoint "
-        "(e.g. http://127.0.0.1:4318)",
+        "(e.g. http://127.0.0.1:4318; docs/otel.md)",
+    )
+    parser.add_argument(
+        "--otlp-queue",
+        type=positive_int,
+        default=2048,
+        metavar="SPANS",
+        help="spans waiting for the OTLP exporter at most; past it a span is dropped and "
+        "counted (tracer_otlp_spans_dropped_total on --admin's /metrics)",
     )
     parser.add_argument(
         "--max-header-bytes",
@@ -397,7 +405,9 @@ def run(args: argparse.Namespace) -> int:
     if args.otlp:
         from ..present.otlp import OtlpSink
 
-        otlp = OtlpSink(args.otlp, tap=config.name, wall_offset=tap.wall_offset)
+        otlp = OtlpSink(
+            args.otlp, tap=config.name, wall_offset=tap.wall_offset, max_queue=args.otlp_queue
+        )
         tap.bus.add("otlp", otlp)
     if writer is not None:
         writer.write(tap.header(engine_metrics=args.engine_metrics, probes=args.probe_on_stall))
@@ -408,6 +418,8 @@ def run(args: argparse.Namespace) -> int:
         server = AdminServer(
             tap, admin[0], admin[1], token=token, allow_remote=args.admin_allow_remote
         )
+        if otlp is not None:  # its spans exported and dropped, on /metrics
+            server.registry.register(otlp.metrics())
     reason = "stopped"
     try:
         reason = anyio.run(_run_proxy, tap, server, poller, backend_options=loop_options())

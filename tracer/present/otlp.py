@@ -14,18 +14,30 @@ spans (``http.request.method``, ``url.path``, ``http.response.status_code``,
 ``gen_ai.response.finish_reasons``); tracer's own figures go under ``tracer.*``
 (``tracer.conn``, ``tracer.position``, ``tracer.termination``, ``tracer.idle_before``
 ...). Span events mark the first byte, the first token, and each stall's start and end.
-A request that carries a W3C ``traceparent`` becomes a child of the client's span.
 
-Never the cause: the data path only builds spans; a ``BatchSpanProcessor`` thread sends
-them. When the collector cannot be reached, the failure is logged once, batches are
-dropped (and counted) for a while instead of retried, and traffic is never touched.
+In the user's trace: a request that carries a valid W3C ``traceparent`` gets a span in
+the client's trace, a child of the client's span (``tracestate`` goes into the span's
+context as the SDK parses it). The tap never adds or rewrites either header: the engine
+behind sees the client's own and its span is the client's child too, a sibling of the
+tap's (two taps in a row: both children of the client's span). A ``traceparent`` that
+is not valid (the grammar, version ``ff``, an all-zero id, uppercase hex, sent twice)
+makes a root span with ``tracer.traceparent_invalid`` holding what was sent, counted.
+Every request is exported, whatever its parent's sampled flag (docs/otel.md).
+
+Never the cause: the data path only builds a span and appends it to a bounded queue
+(``MAX_QUEUE`` spans, ``--otlp-queue``); a ``BatchSpanProcessor`` thread sends batches.
+A span that finds the queue full is dropped and counted (``queue_full``); a batch the
+collector does not take is dropped and counted (``export_failed``), and for
+``RETRY_AFTER`` seconds after that batches are dropped untried (``retry_wait``) instead
+of piling up retries. Each kind of loss is logged once; the counts are on the admin's
+``/metrics`` (``tracer_otlp_spans_dropped_total{reason}``) and in the stop line.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -33,13 +45,15 @@ from urllib.parse import urlsplit
 import requests
 import structlog
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .. import __version__
 from .. import events as ev
@@ -51,6 +65,10 @@ TRACES_PATH = "/v1/traces"
 EXPORT_TIMEOUT = 3.0  # seconds for one export, retries included
 SCHEDULE_DELAY_MS = 500  # how often finished spans are sent
 RETRY_AFTER = 5.0  # seconds of dropping after a failed export before trying again
+MAX_QUEUE = 2048  # finished spans waiting for the exporter; past it a span is dropped
+MAX_BATCH = 512  # spans in one export request
+MAX_NOTED = 256  # characters of an invalid traceparent/tracestate kept in the span
+DROP_REASONS = ("queue_full", "export_failed", "retry_wait", "shutdown")
 
 _KNOWN_METHODS = frozenset(
     {"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"}
@@ -83,21 +101,33 @@ def traces_url(endpoint: str) -> str:
 
 class _GuardedExporter(SpanExporter):
     """The OTLP exporter, made harmless: a failure is logged once and then batches are
-    dropped for ``RETRY_AFTER`` seconds (no pile-up of retries), a recovery is logged."""
+    dropped for ``RETRY_AFTER`` seconds (no pile-up of retries), a recovery is logged.
+
+    Called by the batch processor's thread only (or ``force_flush`` under its lock), so
+    its counters have one writer at a time: ``taken`` (spans handed over, whatever came
+    of them), ``exported``, ``failed`` (in a batch the collector did not take) and
+    ``skipped`` (dropped untried while waiting after a failure)."""
 
     def __init__(self, inner: SpanExporter, endpoint: str) -> None:
         self.inner = inner
         self.endpoint = endpoint
+        self.taken = 0
         self.exported = 0
-        self.dropped = 0
-        self.failures = 0
+        self.failed = 0
+        self.skipped = 0
+        self.failures = 0  # batches
         self._down_until = 0.0
         self._warned = False
 
+    @property
+    def dropped(self) -> int:
+        return self.failed + self.skipped
+
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.taken += len(spans)
         now = time.monotonic()
         if now < self._down_until:
-            self.dropped += len(spans)
+            self.skipped += len(spans)
             return SpanExportResult.FAILURE
         try:
             result = self.inner.export(spans)
@@ -110,7 +140,7 @@ class _GuardedExporter(SpanExporter):
                 self._down_until = 0.0
             return result
         self.failures += 1
-        self.dropped += len(spans)
+        self.failed += len(spans)
         self._down_until = time.monotonic() + RETRY_AFTER
         if not self._warned:
             self._warned = True
@@ -126,6 +156,99 @@ class _GuardedExporter(SpanExporter):
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.inner.force_flush(timeout_millis)
+
+
+class _BoundedProcessor(SpanProcessor):
+    """A ``BatchSpanProcessor`` whose queue bound is ours, so a span it would drop
+    silently (the SDK's deque pushes the oldest out) is refused here and counted.
+
+    Spans in the queue are ``accepted - exporter.taken``: each counter has one writer
+    (the data path, the export thread), so no lock is taken on the data path. A span
+    being handed to the exporter still counts as queued: the bound errs on the safe
+    side and the SDK's own deque never overflows."""
+
+    def __init__(self, exporter: _GuardedExporter, max_queue: int) -> None:
+        self.exporter = exporter
+        self.max_queue = max_queue
+        self.accepted = 0
+        self.queue_full = 0
+        self._warned = False
+        self.batch = BatchSpanProcessor(
+            exporter,
+            max_queue_size=max_queue,
+            schedule_delay_millis=SCHEDULE_DELAY_MS,
+            max_export_batch_size=min(MAX_BATCH, max_queue),
+        )
+
+    @property
+    def queued(self) -> int:
+        return max(0, self.accepted - self.exporter.taken)
+
+    def on_start(self, span: Any, parent_context: Context | None = None) -> None:
+        pass
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if self.accepted - self.exporter.taken >= self.max_queue:
+            self.queue_full += 1
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "otlp queue full; spans are dropped until the exporter catches up "
+                    "(traffic is not affected; logged once)",
+                    max_queue=self.max_queue,
+                    endpoint=self.exporter.endpoint,
+                )
+            return
+        self.accepted += 1
+        self.batch.on_end(span)
+
+    def shutdown(self) -> None:
+        self.batch.shutdown()  # type: ignore[no-untyped-call]
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.batch.force_flush(timeout_millis)
+
+
+class OtlpMetrics:
+    """The sink's counters for the admin's ``/metrics`` (a Prometheus collector)."""
+
+    def __init__(self, sink: OtlpSink) -> None:
+        self.sink = sink
+
+    def collect(self) -> Iterator[Metric]:
+        sink = self.sink
+        tap = [sink.tap]
+        exported = CounterMetricFamily(
+            "tracer_otlp_spans_exported",
+            "Spans the OTLP collector took (--otlp).",
+            labels=["tap"],
+        )
+        exported.add_metric(tap, sink.exporter.exported)
+        yield exported
+        dropped = CounterMetricFamily(
+            "tracer_otlp_spans_dropped",
+            "Spans lost on the way to the OTLP collector, by reason: queue_full (the "
+            "bounded queue was full), export_failed (in a batch the collector did not "
+            "take), retry_wait (dropped untried in the wait after a failure), shutdown "
+            "(still queued when the tap stopped).",
+            labels=["tap", "reason"],
+        )
+        for reason, count in sink.drops().items():
+            dropped.add_metric([sink.tap, reason], count)
+        yield dropped
+        queued = GaugeMetricFamily(
+            "tracer_otlp_spans_queued", "Spans waiting for the OTLP exporter.", labels=["tap"]
+        )
+        queued.add_metric(tap, sink.processor.queued)
+        yield queued
+        invalid = CounterMetricFamily(
+            "tracer_otlp_traceparent_invalid",
+            "Requests whose traceparent was not valid W3C Trace Context (their span is a "
+            "root span; tracer.traceparent_invalid holds the value).",
+            labels=["tap"],
+        )
+        invalid.add_metric(tap, sink.traceparent_invalid)
+        yield invalid
 
 
 @dataclass(slots=True)
@@ -146,32 +269,63 @@ class _Open:
 class OtlpSink:
     """A tap sink: one span per request, sent to an OTLP/HTTP collector."""
 
-    def __init__(self, endpoint: str, *, tap: str, wall_offset: float) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        tap: str,
+        wall_offset: float,
+        max_queue: int = MAX_QUEUE,
+        exporter: SpanExporter | None = None,
+    ) -> None:
+        """``exporter``: tests only (an in-memory one); else OTLP/HTTP to ``endpoint``."""
+        if max_queue < 1:
+            raise ValueError(f"--otlp-queue {max_queue}: give 1 or more spans")
         self.endpoint = traces_url(endpoint)
         self.tap = tap
         self.wall_offset = wall_offset
         self._wall_ns = round(wall_offset * 1e9)
-        for name in ("opentelemetry.exporter", "opentelemetry.sdk._shared_internal"):
+        for name in (
+            "opentelemetry.exporter",
+            "opentelemetry.sdk._shared_internal",
+            "opentelemetry.trace.propagation",  # a bad header: noted in the span instead
+            "opentelemetry.trace.span",  # (TraceState.from_header's warnings)
+        ):
             logging.getLogger(name).setLevel(logging.CRITICAL)  # we log failures ourselves
-        session = requests.Session()
-        session.trust_env = False  # like the poller: no proxy variables, no netrc
-        self.exporter = _GuardedExporter(
-            OTLPSpanExporter(endpoint=self.endpoint, timeout=EXPORT_TIMEOUT, session=session),
-            self.endpoint,
-        )
+        if exporter is None:
+            session = requests.Session()
+            session.trust_env = False  # like the poller: no proxy variables, no netrc
+            exporter = OTLPSpanExporter(
+                endpoint=self.endpoint, timeout=EXPORT_TIMEOUT, session=session
+            )
+        self.exporter = _GuardedExporter(exporter, self.endpoint)
+        self.processor = _BoundedProcessor(self.exporter, max_queue)
         resource = Resource.create(
             {"service.name": "tracer", "service.version": __version__, "tracer.tap": tap}
         )
         self.provider = TracerProvider(sampler=ALWAYS_ON, resource=resource, shutdown_on_exit=False)
-        self.provider.add_span_processor(
-            BatchSpanProcessor(self.exporter, schedule_delay_millis=SCHEDULE_DELAY_MS)
-        )
+        self.provider.add_span_processor(self.processor)
         self.tracer = self.provider.get_tracer("tracer", __version__)
         self.propagator = TraceContextTextMapPropagator()
         self.conns: dict[int, _Conn] = {}
         self.open: dict[tuple[int, int], _Open] = {}
+        self.traceparent_invalid = 0
+        self.lost_at_stop = 0
         self._failed = False
         self._closed = False
+
+    def metrics(self) -> OtlpMetrics:
+        """A Prometheus collector of this sink's counters (for ``--admin``'s registry)."""
+        return OtlpMetrics(self)
+
+    def drops(self) -> dict[str, int]:
+        """Spans dropped so far, by reason (``DROP_REASONS``)."""
+        return {
+            "queue_full": self.processor.queue_full,
+            "export_failed": self.exporter.failed,
+            "retry_wait": self.exporter.skipped,
+            "shutdown": self.lost_at_stop,
+        }
 
     def _ns(self, m: float) -> int:
         """Wall-clock ns of a monotonic time; the offset is added in integers, so the
@@ -256,15 +410,38 @@ class OtlpSink:
             if path.endswith(suffix):
                 attrs["gen_ai.operation.name"] = operation
                 break
-        parent = self.propagator.extract(headers) if "traceparent" in headers else None
+        parent = self._parent(head.headers, attrs)
         span = self.tracer.start_span(
             f"{method} {path}",
-            context=parent,
+            context=parent,  # an empty context: a root span, whatever is current
             kind=SpanKind.SERVER,
             attributes=attrs,
             start_time=self._ns(head.m),
         )
         self.open[(head.conn, head.seq)] = _Open(span=span, start_m=head.m)
+
+    def _parent(self, headers: list[list[str]], attrs: dict[str, Any]) -> Context:
+        """The client's span as the parent, from ``traceparent`` (and ``tracestate``, its
+        header lines combined as HTTP combines them); an empty context (a root span) when
+        there is none or it is not valid, which is noted in ``attrs`` and counted."""
+        parents = [value for name, value in headers if name.lower() == "traceparent"]
+        if not parents:
+            return Context()
+        states = [value for name, value in headers if name.lower() == "tracestate"]
+        carrier = (
+            {"traceparent": parents, "tracestate": states} if states else {"traceparent": parents}
+        )
+        # sent twice is not valid (W3C: "multiple traceparent headers" restart the trace)
+        context = self.propagator.extract(carrier, Context()) if len(parents) == 1 else Context()
+        span_context = trace.get_current_span(context).get_span_context()
+        if not span_context.is_valid:
+            self.traceparent_invalid += 1
+            attrs["tracer.traceparent_invalid"] = ", ".join(parents)[:MAX_NOTED]
+            return Context()
+        if not span_context.trace_state and any(s.strip(" \t,") for s in states):
+            # not the grammar, over 32 members or 512 characters: the SDK drops it all
+            attrs["tracer.tracestate_invalid"] = ",".join(states)[:MAX_NOTED]
+        return context
 
     def _request_end(self, end: ev.RequestEnd) -> None:
         req = self.open.get((end.conn, end.seq))
@@ -386,12 +563,15 @@ class OtlpSink:
             req.span.set_status(Status(StatusCode.ERROR, "still in flight when the tap stopped"))
             req.span.end(end_time=self._ns(now))
         self.open.clear()
-        self.provider.shutdown()
+        self.provider.shutdown()  # sends what is queued; the exporter's timeout bounds it
+        self.lost_at_stop = self.processor.queued  # what the stop gave up on
+        drops = self.drops()
         log.info(
             "otlp export done",
             endpoint=self.endpoint,
             exported=self.exporter.exported,
-            dropped=self.exporter.dropped,
+            dropped=sum(drops.values()),
+            **{f"dropped_{reason}": count for reason, count in drops.items() if count},
         )
 
 
