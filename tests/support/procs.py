@@ -77,12 +77,13 @@ _ADMIN = re.compile(r"admin on 127\.0\.0\.1:(\d+)")
 
 
 @asynccontextmanager
-async def tracer_proxy(*args: str) -> AsyncIterator[Proc]:
+async def tracer_proxy(*args: str, env: dict[str, str] | None = None) -> AsyncIterator[Proc]:
     """``python -m tracer ARGS`` (``proxy ...``), once it says where it listens: with
     ``--listen 127.0.0.1:0`` and ``--admin 127.0.0.1:0`` the kernel picks both ports and
-    the start lines name them. Ended with SIGTERM (unless the test ended it)."""
+    the start lines name them. Ended with SIGTERM (unless the test ended it). ``env``:
+    the process's whole environment, when not this one's."""
     cmd = [sys.executable, "-m", "tracer", *args]
-    process = await anyio.open_process(cmd, stdin=None)
+    process = await anyio.open_process(cmd, stdin=None, env=env)
     assert process.stderr is not None
     reader = BufferedByteReceiveStream(process.stderr)
     lines: list[str] = []

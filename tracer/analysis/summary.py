@@ -30,6 +30,7 @@ from ..redact import redact_target, scrub_text
 from ..times import iso
 from .caveats import _caveats
 from .findings import Evidence, find
+from .findings.clocks import Clocks, shift_clock
 from .request_headers import _header, _retry_count, _trace_fields
 from .rows import BUNCH_GAP as BUNCH_GAP
 from .rows import ZERO_GAP as ZERO_GAP
@@ -102,6 +103,7 @@ class Summary:
         finished_keys: int = FINISHED_KEYS,
         spill_samples: int = 512,
         known_taps: KnownTaps | None = None,
+        clocks: Clocks | None = None,
     ) -> None:
         if recent_rows < 0 or finished_keys < 0:
             raise ValueError("recent_rows and finished_keys must not be negative")
@@ -147,6 +149,9 @@ class Summary:
         self.own_requests = 0
         # whose x-tracer-probe to believe: the nonces of the captures in the analysis
         self.known_taps = known_taps if known_taps is not None else KnownTaps()
+        # taps whose wall clocks disagree: their times shifted onto the front tap's
+        self.clocks = clocks if clocks is not None else Clocks()
+        self._shift = self.clocks.applied
         # requests that carried x-tracer-probe no capture here vouches for: the client's
         self.unvouched: list[str] = []  # (the first few ids)
         self.unvouched_total = 0
@@ -190,6 +195,8 @@ class Summary:
 
     def feed(self, event: ev.Event) -> None:
         self.events += 1
+        if self._shift and event.tap in self._shift:
+            shift_clock(event, self._shift[event.tap])
         if self.first_t is None or event.t < self.first_t:
             self.first_t = event.t
         if self.last_t is None or event.t > self.last_t:
@@ -696,6 +703,7 @@ class Summary:
                 ),
             },
             "topology": evidence.topology,
+            "clocks": self.clocks.to_json(evidence.clock_pairs),
         }
 
 

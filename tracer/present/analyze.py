@@ -9,7 +9,8 @@ examples:
   tracer analyze captures/ --format json | jq .verdict   for machines (tracer.analysis/4)
 
 The filters (--since, --until, --tap, --conn, --id) choose the rows and findings shown;
-the verdict and the totals are always over everything the captures hold.
+the verdict and the totals are over everything the captures hold (over rotated captures,
+--since/--until read only the segments that hold the window: docs/fleet.md).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..capture.segments import plan_window
 from ..protocol.probe_mark import KnownTaps
 from ..times import parse_time
 from ..wording import counted
+from .clock_pass import measure_clocks
 from .render import write_json, write_markdown, write_text
 
 PIPED_WIDTH = 120  # text output that is not to a terminal wraps here
@@ -180,7 +182,16 @@ def run(args: argparse.Namespace) -> int:
     # a window over rotated captures reads only the segments it needs (capture/segments.py)
     window = plan_window(files, args.since, args.until) if args.since or args.until else None
     window = window if window is not None and window.skips else None
-    with Summary(known_taps=known) as summary:  # (spilled rows are released on exit)
+
+    def read_all(feed: Callable[[Any], None]) -> None:  # (as the pass below reads them)
+        if window is not None:
+            window.read(feed, read_into)
+        else:
+            for path in files:
+                read_into(path, feed, packets)
+
+    clocks = measure_clocks(files, known, read_all)  # taps whose clocks disagree: offsets
+    with Summary(known_taps=known, clocks=clocks) as summary:  # (spilled rows: freed on exit)
         if window is not None:
             captures = window.read(summary.feed, read_into)
         else:

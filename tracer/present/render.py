@@ -259,6 +259,26 @@ def _connection_troubled(c: dict[str, Any]) -> bool:
     return bool(c["in_flight_at_close"]) or c["how"] == "reset" or bool(c["upstream_error"])
 
 
+def clock_lines(clocks: dict[str, Any]) -> list[str]:
+    """Each tap pair's clock offset with its bounds, and what the analysis did with it."""
+    applied = clocks.get("applied") or {}
+    out = []
+    for p in clocks.get("pairs") or []:
+        off = p["offset"]
+        if not p["consistent"]:
+            how = "the requests' bounds contradict each other: not applied"
+        elif p["to"] in applied or p["from"] in applied:
+            how = "applied: times shifted onto one clock"
+        else:
+            how = "within what the requests can tell: one clock taken"
+        out.append(
+            f"clocks: {p['to']} reads {off:+.3f} s against {p['from']} (between "
+            f"{p['low']:+.3f} and {p['high']:+.3f} s, from {p['requests']} requests both "
+            f"answered): {how}"
+        )
+    return out
+
+
 def write_text(
     result: dict[str, Any],
     out: TextIO,
@@ -317,7 +337,14 @@ def write_text(
                 )
             )
         )
-        console.print(f"tap order: {pair['from']} -> {pair['to']}: {seen}")
+        joined = ", ".join(f"{n} by {how}" for how, n in (pair.get("joined_by") or {}).items())
+        console.print(
+            f"tap order: {pair['from']} -> {pair['to']}: {seen}"
+            + (f"; joined {joined}" if joined else ""),
+            markup=False,
+        )
+    for line in clock_lines(result.get("clocks") or {}):
+        console.print(line, markup=False)
     if totals["capture_records_lost"]:
         console.print(f"WARNING: the capture lost {totals['capture_records_lost']} records")
     if totals.get("late_events_ignored"):

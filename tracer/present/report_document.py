@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shlex
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from ..analysis.summary import Summary
 from ..capture.files import PACKETS, CaptureError, PacketOptions, expand_captures, read_into
 from ..capture.reader import capture_headers
 from ..protocol.probe_mark import KnownTaps
+from .clock_pass import measure_clocks
 from .report_engine import engine_around
 
 if TYPE_CHECKING:
@@ -33,9 +35,16 @@ def load(
 ) -> tuple[Summary, list[dict[str, Any]]]:
     """Feed every capture to one Summary; per capture: its hash and what reading it found
     (``packets``: how a pcap is read as taps)."""
-    summary = Summary(known_taps=KnownTaps.of(capture_headers(paths)))
+    known, files = KnownTaps.of(capture_headers(paths)), expand_captures(paths)
+
+    def read_all(feed: Callable[[Any], None]) -> None:
+        for path in files:
+            read_into(path, feed, packets)
+
+    # taps whose clocks disagree: measured in a first pass, applied in this one
+    summary = Summary(known_taps=known, clocks=measure_clocks(files, known, read_all))
     try:
-        captures = [_feed(summary, path, packets) for path in expand_captures(paths)]
+        captures = [_feed(summary, path, packets) for path in files]
     except BaseException:
         summary.close()
         raise
@@ -103,6 +112,7 @@ def build(
             "engine_urls": result["evidence"]["engine_urls"],
             "marks": result["evidence"]["marks"],
             "topology": result.get("topology") or {},
+            "clocks": result.get("clocks") or {},
             "tap_lags": result["evidence"].get("tap_lags", []),
         },
         "findings": findings,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..wording import counted
-from .render import EPOCH, evidence_line
+from .render import EPOCH, clock_lines, evidence_line
 from .report_document import _iso
 
 MAX_PLANS_SHOWN = 20  # fault plan changes listed in the Markdown's provenance
@@ -377,6 +377,7 @@ def _chain_md(ov: dict[str, Any]) -> list[str]:
     if not topo.get("chain"):
         return []
     out = [f"Chain: `{topo['chain']}` (`?`: a hop no tap saw).", ""]
+    out += [f"- {line}" for line in clock_lines(ov.get("clocks") or {})]
     out += [f"- {why}" for why in topo.get("why", [])]
     lags = ov.get("tap_lags") or []
     if lags:

@@ -80,6 +80,8 @@ class Evidence:
     # filled by ``find``: each request joined with others at other taps, by position
     # (position, row id, the others' ids, method), for the rows' ``copies``
     copies: Iterable[tuple[Any, ...]] = ()
+    # filled by ``find``: each pair of taps' clock offset, with its bounds (``clocks``)
+    clock_pairs: list[dict[str, Any]] = field(default_factory=list)
     # filled by ``find``: adjacent taps, client side first, with the median of t(b) - t(a)
     # over the requests both saw (clock offset plus the hop's transit time)
     tap_pairs: list[dict[str, Any]] = field(default_factory=list)
@@ -134,6 +136,7 @@ class Context:
         self._scan()
         self.order = self.join.ordered(self.counts)
         e.copies = self.join.copies
+        e.clock_pairs = self.join.clock_pairs()
 
     # -- the pass over the rows --------------------------------------------------------
 

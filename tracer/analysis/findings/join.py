@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 from ..rows import RequestRow
 from ..spill import SortedSpool
+from .clocks import PairClock
 
 JOIN_SLACK = 1.0  # seconds: clock offset between taps tolerated when joining by time
 # ... between taps that read one wall clock (the same boot, the same wall offset): only
@@ -256,6 +257,8 @@ class Join:
         self.by_print: SortedSpool[tuple[Any, ...]] = tuple_spool()
         # every request joined with others: (position, row id, the others' ids, method)
         self.copies: SortedSpool[tuple[Any, ...]] = tuple_spool()
+        # per pair of taps (in name order): the bounds on their clocks' offset (``clocks``)
+        self.clocks: dict[tuple[str, str], PairClock] = defaultdict(PairClock)
         # per pair of taps (in name order): how many requests each method joined
         self.methods: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._groups: list[_Group] = []
@@ -426,8 +429,11 @@ class Join:
         members = group.members
         for i, a in enumerate(taps):
             for b in taps[i + 1 :]:
-                self._pairs[(a, b)].add(members[b].start - members[a].start)
+                ma, mb = members[a], members[b]
+                self._pairs[(a, b)].add(mb.start - ma.start)
                 self.methods[(a, b)][method] += 1
+                if not (ma.rel or mb.rel) and ma.end < math.inf and mb.end < math.inf:
+                    self.clocks[(a, b)].add(ma.start, ma.end, mb.start, mb.end)
         if len(taps) > 1:
             for tap, m in members.items():
                 others = [members[t].rid for t in taps if t != tap]
@@ -510,6 +516,16 @@ class Join:
                         "joined_by": dict(sorted(self.methods.get(pair_key(a, b), {}).items())),
                     }
                 )
+        return out
+
+    def clock_pairs(self) -> list[dict[str, Any]]:
+        """Each pair of taps not on one clock that answered requests in common: the
+        offset of the second's clock against the first's (in front), with its bounds."""
+        out = []
+        for (a, b), clock in sorted(self.clocks.items()):
+            estimate = None if self.one_clock(a, b) else clock.estimate(a, b)
+            if estimate is not None:
+                out.append(estimate)
         return out
 
     def one_clock(self, *taps: str) -> bool:
