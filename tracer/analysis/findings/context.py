@@ -17,7 +17,8 @@ from urllib.parse import urlsplit
 
 from ..rows import ConnectionRow, RequestRow
 from .engine_view import EngineFigures, EngineView
-from .join import FreshReused, Join, addr_key
+from .first_events import FreshReused
+from .join import Join, addr_key
 from .signs import (
     began_before,
     bursts,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from ...wording import counted
 from ..rows import RequestRow
 from .context import Context
-from .join import FIRST_EVENT_PROMPT, Holds
+from .first_events import FIRST_EVENT_PROMPT, Holds
 from .model import EvidenceItem, Finding, RuledOut, finding
 from .quotes import gap_item, req_text, request_item
 from .signs import bursts, delivery_kind, first_event_wait

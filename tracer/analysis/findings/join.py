@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 from ..rows import RequestRow
 from ..spill import SortedSpool
 from .clocks import PairClock
+from .first_events import FIRST_EVENT_HELD, FIRST_EVENT_PROMPT, Holds
 
 JOIN_SLACK = 1.0  # seconds: clock offset between taps tolerated when joining by time
 # ... between taps that read one wall clock (the same boot, the same wall offset): only
@@ -27,12 +28,6 @@ SHARED_CLOCK_SLACK = 0.005
 # occurrence, as without a shared clock. At most this many such fingerprints are kept.
 TIME_JOINED_REPEATS = 16
 TIME_JOINED_PRINTS = 10_000
-# A hop that writes a response's head and its first event separately without TCP_NODELAY
-# holds the event until the head's ACK, which the next host delays (Linux: 40 ms and up,
-# at most 200 ms): the first event comes that long after the head at the taps in front
-# of the hop, at once (within FIRST_EVENT_PROMPT) at the taps behind it.
-FIRST_EVENT_HELD = (0.030, 0.220)
-FIRST_EVENT_PROMPT = 0.010
 SPILL_ITEMS = 16384  # join records (a few small fields each) in memory before a run spills
 
 
@@ -169,64 +164,6 @@ def _repeated_prints(keys: Iterable[tuple[str, int, tuple[Any, ...]]]) -> set[st
 _Joined = tuple[
     list[dict[str, RequestRow]], dict[str, dict[str, RequestRow]], dict[str, dict[str, RequestRow]]
 ]
-
-
-class Holds:
-    """First events one tap got late and another at once: how many, how late (the first
-    ``SAMPLE``), and the first few (their positions at the two taps)."""
-
-    SAMPLE = 1024
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.delays: list[float] = []
-        self.examples: list[tuple[int, int]] = []
-
-    def add(self, delay: float, positions: tuple[int, int]) -> None:
-        self.count += 1
-        if len(self.delays) < self.SAMPLE:
-            self.delays.append(delay)
-        if len(self.examples) < 3:
-            self.examples.append(positions)
-
-
-class FreshReused:
-    """One tap's streams by how soon their first event came after the response head: on
-    fresh connections at once (within ``FIRST_EVENT_PROMPT``) or not, on reused ones
-    within ``FIRST_EVENT_HELD`` or not; the held ones' waits (the first ``SAMPLE``) and
-    the first few of each kind (positions)."""
-
-    SAMPLE = 1024
-
-    def __init__(self) -> None:
-        self.fresh = self.fresh_prompt = self.reused = self.reused_held = 0
-        self.waits: list[float] = []
-        self.examples: dict[bool, list[int]] = {False: [], True: []}  # reused -> positions
-
-    def add(self, reused: bool, wait: float, pos: int) -> None:
-        if reused:
-            self.reused += 1
-            fits = FIRST_EVENT_HELD[0] <= wait <= FIRST_EVENT_HELD[1]
-            self.reused_held += fits
-            if fits and len(self.waits) < self.SAMPLE:
-                self.waits.append(wait)
-        else:
-            self.fresh += 1
-            fits = wait <= FIRST_EVENT_PROMPT
-            self.fresh_prompt += fits
-        if fits and len(self.examples[reused]) < 2:
-            self.examples[reused].append(pos)
-
-    @property
-    def pattern(self) -> bool:
-        """Most streams on reused connections held, most on fresh ones not: the hold
-        depends on the connection, not on the engine's first token."""
-        return (
-            self.reused_held >= 3
-            and self.reused_held * 2 >= self.reused
-            and self.fresh_prompt >= 1
-            and self.fresh_prompt * 2 >= self.fresh
-        )
 
 
 def _identity(item: tuple[Any, ...]) -> tuple[Any, ...]:
