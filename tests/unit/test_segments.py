@@ -245,3 +245,16 @@ def test_follow_drops_what_is_outside_the_window() -> None:
     assert [type(e).__name__ for e in seen] == [
         "ConnOpen", "RequestHead", "RequestEnd", "ResponseHead", "ResponseEnd",
     ]  # fmt: skip
+
+
+def test_a_first_record_too_long_to_look_at_is_taken_to_begin_with_the_capture(
+    tmp_path: Path,
+) -> None:
+    big = ev.Anomaly(
+        t=T0 + 130.0, m=130.0, tap="a", conn=1, direction="client", offset=0,
+        error="x" * (1 << 20),
+    )  # fmt: skip
+    (path,) = write_segments(tmp_path, "a", [[big, *minute_of_traffic("a", 2)]])
+    span = segment_span(path)
+    assert span is not None and not span.empty
+    assert span.first == T0 and span.last == T0 + 179.8  # never skipped for a window in it

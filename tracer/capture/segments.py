@@ -127,6 +127,10 @@ def _head(fh: Any, name: str) -> tuple[dict[str, Any], float | None, int] | None
     record = _record(second)
     if record is None and second.endswith(b"\n"):
         return None  # a bad second line: leave the judgement to the reader
+    if record is None and len(second) >= MAX_LINE:
+        # a first record too long to look at: the segment is taken to begin with the
+        # capture (read for any window up to its end)
+        return header, float(header["t"]), after
     return header, float(record["t"]) if record is not None else None, after
 
 
