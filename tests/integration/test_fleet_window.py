@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from tests.support.docs import ROOT, argv, command_lines, fenced_blocks, substitute
 from tests.support.segments import (
     T0,
     capture_end,
@@ -20,6 +23,7 @@ from tests.support.segments import (
     write_segments,
 )
 from tracer import events as ev
+from tracer.cli import commands as cli
 
 
 def analyze(*args: str) -> subprocess.CompletedProcess[str]:
@@ -94,3 +98,29 @@ def test_the_readers_one_line_errors_stand(tmp_path: Path) -> None:
     (tmp_path / "front.5.jsonl").unlink()
     late = analyze(str(tmp_path), "--since", "+900")
     assert late.returncode == 2 and "--since +900 is outside the captures" in late.stderr
+
+
+def test_the_fleet_docs_analyze_commands_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every `tracer analyze` line of docs/fleet.md, run over a folder of two replicas'
+    rotated captures (7 minutes from T0 = 2027-01-15T08:00:00Z, as the doc's times)."""
+    for tap in ("router-a", "router-b"):
+        segments = [minute_of_traffic(tap, k) for k in range(7)]
+        segments[-1].append(capture_end(tap, 420.0))
+        write_segments(tmp_path, tap, segments, compress=True)
+    doc = (ROOT / "docs" / "fleet.md").read_text()
+    lines = [line for block in fenced_blocks(doc) for line in command_lines(block)]
+    runs = [argv(line) for line in lines if argv(line)[1] == "analyze"]
+    assert len(runs) >= 3
+    for words in runs:
+        words = substitute(words, {"/shared/captures/": f"{tmp_path}/"})
+        assert cli.main(words[1:]) == 0, words
+        out = capsys.readouterr().out
+        if "--format" in words and words[words.index("--format") + 1] == "json":
+            result = json.loads(out)
+            assert result["filter"]["segments"]["skipped"] > 0
+            assert {r["tap"] for r in result["requests"]} <= {"router-b"}
+        elif "--format" not in words:
+            assert out.startswith("filter: since +300.000 s; until +360.000 s: ")
+            assert "over the 6 of 14 segments that hold the window" in out.splitlines()[0]
