@@ -45,6 +45,7 @@ bench: compiled
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light wrk >/dev/null)
 	$(BIN)/python -m bench.run
 	$(BIN)/python -m bench.analysis
+	$(BIN)/python -m bench.fleet
 	$(BIN)/python -m bench.replay_fidelity
 	$(BIN)/python -m bench.loadgen_ceiling
 	$(BIN)/python -m bench.run --scenarios addon --rounds 5 --duration 5
