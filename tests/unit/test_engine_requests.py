@@ -167,9 +167,18 @@ def test_no_record_while_the_requests_around_it_have_one_is_before_the_engine() 
     (item,) = [e for e in f["evidence"] if e["figures"].get("engine_record") is False]
     assert item["figures"]["recorded_before"] == 1 and item["figures"]["overtaken"] >= 1
     assert item["figures"]["client_left"] is True
-    # without the request after the give-up, the claim is medium
+    # without the request after the give-up, an engine that still held it unfinished
+    # would have no record either: low, and the engine not ruled out
     result = analyze(cap, engine_requests=records[:2])
-    assert _by_kind(result, "lost_before_engine")["confidence"] == "medium"
+    f = _by_kind(result, "lost_before_engine")
+    assert f["confidence"] == "low" and not f["ruled_out"]
+    # ... unless the engine's live figures say it held nothing then: medium
+    for t in range(2, 10):
+        cap.engine(float(t), running=0, url="http://127.0.0.1:8000/metrics", profile="vllm")
+    result = analyze(cap, engine_requests=records[:2])
+    f = _by_kind(result, "lost_before_engine")
+    assert f["confidence"] == "medium" and [r["party"] for r in f["ruled_out"]] == ["engine"]
+    assert [e for e in f["evidence"] if e["figures"].get("engine_counted") == 0]
 
 
 def test_records_that_decide_nothing_are_quoted_in_the_finding() -> None:

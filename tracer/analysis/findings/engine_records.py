@@ -368,6 +368,23 @@ def _before(
         ]
     if party == "proxy" and not left_all:
         confidence = "medium"  # an engine writes a record at the finish: one still running?
+    # what would contradict "never reached the engine": the engine holding them unfinished
+    # (no record either). Its live gauges settle it where they exist: fewer running and
+    # queued than the tap had in flight means some of them were not there.
+    first = rs[0]
+    short = ctx.engines.uncounted(first, first.start, first.end or ctx.e.end or first.start)
+    if short is not None:
+        evidence.append(
+            EvidenceItem(
+                text=f"the engines' live figures counted {short[1]} running and queued while tap "
+                f"{tap} had {short[0]} request(s) in flight: these were not held in the engine",
+                t=first.start,
+                tap=tap,
+                figures={"in_flight": short[0], "engine_counted": short[1]},
+            )
+        )
+    elif party == "proxy":
+        confidence = "low" if confidence != "high" else confidence
     ruled = (
         [
             RuledOut(
@@ -376,16 +393,22 @@ def _before(
                 "sent after them and answered while these waited; none for these",
             )
         ]
-        if party == "proxy"
+        if party == "proxy" and (short is not None or confidence == "high")
         else []
     )
+    unsure = short is None and confidence != "high"
     return finding(
         "lost_before_engine",
         party,
         f"Requests at tap {tap} got nothing back and the engine has no record of them, while "
         f"it recorded requests sent through the same tap before them and "
-        f"finished {overtook} sent after them while they waited: they never reached the engine "
-        f"— lost in {where}.",
+        f"finished {overtook} sent after them while they waited: "
+        + (
+            f"lost in {where}, unless the engine still holds them unfinished (it writes a "
+            "record when a request finishes, and no live figure here says it did not)."
+            if unsure
+            else f"they never reached the engine — lost in {where}."
+        ),
         rs,
         evidence,
         ruled,
