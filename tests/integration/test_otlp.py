@@ -474,9 +474,9 @@ async def test_a_hung_collector_never_slows_traffic_and_a_full_queue_drops_count
                 await stream.receive()
 
     n = 10
-    async with anyio.create_task_group() as tg:
-        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
-        port = int(listener.extra(SocketAttribute.local_port))
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    port = int(listener.extra(SocketAttribute.local_port))
+    async with listener, anyio.create_task_group() as tg:  # (both closed at the end)
         tg.start_soon(listener.serve, hold)
         async with upstream(ttft=0.0, itl=0.0) as engine_url:
             async with tracer_proxy(
@@ -510,6 +510,8 @@ async def test_a_hung_collector_never_slows_traffic_and_a_full_queue_drops_count
                 with anyio.fail_after(15):
                     assert await proc.process.wait() == 0
                 stopped_in = time.monotonic() - stop_started
+        for stream in held:
+            await stream.aclose()
         tg.cancel_scope.cancel()
     assert max(took) < 1.5, f"a request took {max(took):.2f}s while the collector hung"
     assert metrics['tracer_otlp_spans_exported_total{tap="tap"}'] == 0
