@@ -161,6 +161,8 @@ async def test_a_low_descriptor_limit_gives_late_clients_the_taps_503_not_an_eof
                 answers.append(answer)
             assert all(a.startswith(b"HTTP/1.1 503 ") for a in answers), answers
             assert b"--max-connections (48)" in answers[0]
+            # the tap connects upstream as each client comes: poll until the 48 are there
+            await wait_until(lambda: len(upstream.conns) >= 48, 10)
             assert len(upstream.conns) == 48
             for client in clients:
                 await client.aclose()
