@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..analysis.findings.clocks import Clocks, clocks_to_apply
 from ..analysis.summary import Summary
 from ..arguments import non_negative_int
 from ..capture.files import PacketOptions, expand_captures, read_into
@@ -30,7 +31,6 @@ from ..capture.segments import plan_window
 from ..protocol.probe_mark import KnownTaps
 from ..times import parse_time
 from ..wording import counted
-from .clock_pass import measure_clocks
 from .render import write_json, write_markdown, write_text
 
 PIPED_WIDTH = 120  # text output that is not to a terminal wraps here
@@ -183,58 +183,61 @@ def run(args: argparse.Namespace) -> int:
     window = plan_window(files, args.since, args.until) if args.since or args.until else None
     window = window if window is not None and window.skips else None
 
-    def read_all(feed: Callable[[Any], None]) -> None:  # (as the pass below reads them)
-        if window is not None:
-            window.read(feed, read_into)
-        else:
-            for path in files:
-                read_into(path, feed, packets)
-
-    clocks = measure_clocks(files, known, read_all)  # taps whose clocks disagree: offsets
-    with Summary(known_taps=known, clocks=clocks) as summary:  # (spilled rows: freed on exit)
-        if window is not None:
-            captures = window.read(summary.feed, read_into)
-        else:
-            captures = [
-                read_into(path, summary.feed, packets).describe(Path(path).name) for path in files
-            ]
-        first, last = summary.first_t, summary.last_t
-        if window is not None:
-            first, last = window.origin, window.end  # the captures', not what was read
-        marks = [parse_time(v, first, last) for v in args.hang_at]
-        since = parse_time(args.since, first, last, option="--since") if args.since else None
-        until = parse_time(args.until, first, last, option="--until") if args.until else None
-        # rows are written one at a time: big captures stay affordable
-        result = summary.result(
-            captures=captures,
-            hang_at=marks,
-            client_facing=args.client_facing,
-            raw_rows=args.format == "json",
-            engine_requests=engine_requests,
-        )
-        keep = RowFilter(since, until, args.tap, args.conn, args.id)
-        if keep.active:
-            keep.apply(result)
-        if window is not None:
-            result["filter"]["segments"] = window.to_json()
-        if args.format == "json":
-            write_json(result, sys.stdout)
-        elif args.format == "md":
-            write_markdown(result, sys.stdout)
-        else:
-            if keep.active:
-                print(keep.describe(result), file=sys.stdout)
-            tty = sys.stdout.isatty()
-            width = shutil.get_terminal_size().columns if tty else PIPED_WIDTH
-            write_text(
-                result,
-                sys.stdout,
-                width=400 if args.wide else width,
-                limit=args.limit or None,
-                wide=args.wide,
-                brief=args.brief,
+    # taps whose wall clocks disagree: a pass that measures the offsets, then one that
+    # applies them (``analysis/findings/clocks.py``); one pass where they agree
+    clocks: Clocks | None = None
+    while True:
+        with Summary(known_taps=known, clocks=clocks) as summary:  # (spilled rows: freed)
+            if window is not None:
+                captures = window.read(summary.feed, read_into)
+            else:
+                captures = [
+                    read_into(path, summary.feed, packets).describe(Path(path).name)
+                    for path in files
+                ]
+            first, last = summary.first_t, summary.last_t
+            if window is not None:
+                first, last = window.origin, window.end  # the captures', not what was read
+            marks = [parse_time(v, first, last) for v in args.hang_at]
+            since = parse_time(args.since, first, last, option="--since") if args.since else None
+            until = parse_time(args.until, first, last, option="--until") if args.until else None
+            # rows are written one at a time: big captures stay affordable
+            result = summary.result(
+                captures=captures,
+                hang_at=marks,
+                client_facing=args.client_facing,
+                raw_rows=args.format == "json",
+                engine_requests=engine_requests,
             )
-    return 0
+            if clocks is None and (clocks := clocks_to_apply(result)) is not None:
+                continue  # again, on one clock
+            _show(args, result, RowFilter(since, until, args.tap, args.conn, args.id), window)
+        return 0
+
+
+def _show(args: argparse.Namespace, result: dict[str, Any], keep: RowFilter, window: Any) -> None:
+    """The analysis as asked: filtered, in its format (while its rows can be read)."""
+    if keep.active:
+        keep.apply(result)
+    if window is not None:
+        result["filter"]["segments"] = window.to_json()
+    if args.format == "json":
+        write_json(result, sys.stdout)
+    elif args.format == "md":
+        write_markdown(result, sys.stdout)
+    else:
+        if keep.active:
+            print(keep.describe(result), file=sys.stdout)
+        tty = sys.stdout.isatty()
+        width = shutil.get_terminal_size().columns if tty else PIPED_WIDTH
+        write_text(
+            result,
+            sys.stdout,
+            width=400 if args.wide else width,
+            limit=args.limit or None,
+            wide=args.wide,
+            brief=args.brief,
+        )
 
 
 def _engine_requests(paths: list[str]) -> list[Any]:
