@@ -164,6 +164,7 @@ async def tcpdump_lo(path: Path, ports: Iterable[int]) -> AsyncIterator[Tcpdump]
         dump = Tcpdump(path, proc.pid, log)
         try:
             await _until_listening(proc, dump)
+            await _start_mark(mark, mark_port, dump)
             yield dump
             await _end_mark(mark, mark_port, dump)
         finally:
@@ -178,6 +179,17 @@ async def _until_listening(proc: subprocess.Popen[bytes], dump: Tcpdump) -> None
                     raise TcpdumpUnavailable(said.strip())
                 raise AssertionError(f"tcpdump exited {proc.returncode}: {said}")
             await anyio.sleep(POLL)  # (polls its stderr with a deadline)
+
+
+async def _start_mark(mark: socket.socket, port: int, dump: Tcpdump) -> None:
+    """"listening on lo" can come before packets are written: send a mark until one is in
+    the file, so that what the test sends next is captured (a client's first requests
+    were missing from a capture under load)."""
+    token = uuid.uuid4().bytes
+    with anyio.fail_after(MARK_TIMEOUT):
+        while token not in dump.path.read_bytes():
+            mark.sendto(token, ("127.0.0.1", port))
+            await anyio.sleep(POLL)  # (polls the file with a deadline)
 
 
 async def _end_mark(mark: socket.socket, port: int, dump: Tcpdump) -> None:
