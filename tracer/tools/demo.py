@@ -122,26 +122,23 @@ class Demo:
             self.notes.append(note)
             self.step(f"[yellow]{note}[/yellow]")
             return workers[0].url, metrics[:2]
-        port, prom = _free_port(), _free_port()
-        argv = [smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls"]
-        argv += [w.url for w in workers]
-        argv += ["--policy", "round_robin", "--log-level", "warn"]
-        argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
-        log_path, log = self._log("smg")
-        proc = await anyio.open_process(argv, stdin=None, stdout=log, stderr=log)
-        self.stack.push_async_callback(_stop, proc)
-        url = f"http://127.0.0.1:{port}"
-        async with httpx.AsyncClient(timeout=2) as client:
-            with anyio.fail_after(30):
-                while True:
-                    if proc.returncode is not None:
-                        raise RuntimeError(f"smg exited (see {log_path})")
-                    try:
-                        if (await client.get(url + "/readiness")).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    await anyio.sleep(0.1)  # (polls readiness with a deadline)
+        # a port found free can be taken before smg binds it (other processes on a busy
+        # machine): then smg exits with "Address already in use", and gets two others
+        for attempt in range(PORT_TRIES):
+            port, prom = _free_port(), _free_port()
+            argv = [smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls"]
+            argv += [w.url for w in workers]
+            argv += ["--policy", "round_robin", "--log-level", "warn"]
+            argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
+            log_path, log = self._log("smg" if attempt == 0 else f"smg.{attempt}")
+            proc = await anyio.open_process(argv, stdin=None, stdout=log, stderr=log)
+            self.stack.push_async_callback(_stop, proc)
+            url = f"http://127.0.0.1:{port}"
+            if await _until_ready(proc, url):
+                break
+            taken = "Address already in use" in log_path.read_text(errors="replace")
+            if not taken or attempt == PORT_TRIES - 1:
+                raise RuntimeError(f"smg exited (see {log_path})")
         self.step(f"router smg {url} in front of {len(workers)} engines")
         router_metrics = f"http://127.0.0.1:{prom}/metrics"
         evidence = [*metrics, "--engine-metrics", router_metrics]
@@ -182,6 +179,24 @@ def _tally(outcomes: Iterable[str]) -> str:
 def smg_path() -> str | None:
     local = Path(sys.executable).parent / "smg"
     return str(local) if local.exists() else shutil.which("smg")
+
+
+async def _until_ready(proc: Process, url: str) -> bool:
+    """Poll the router's readiness with a deadline; False if it exited first."""
+    async with httpx.AsyncClient(timeout=2) as client:
+        with anyio.fail_after(30):
+            while True:
+                if proc.returncode is not None:
+                    return False
+                try:
+                    if (await client.get(url + "/readiness")).status_code == 200:
+                        return True
+                except httpx.HTTPError:
+                    pass
+                await anyio.sleep(0.1)  # (polls readiness with a deadline)
+
+
+PORT_TRIES = 3
 
 
 def _free_port() -> int:
