@@ -182,7 +182,7 @@ async def _until_listening(proc: subprocess.Popen[bytes], dump: Tcpdump) -> None
 
 
 async def _start_mark(mark: socket.socket, port: int, dump: Tcpdump) -> None:
-    """"listening on lo" can come before packets are written: send a mark until one is in
+    """tcpdump's "listening on lo" can come before packets are written: send a mark until one is in
     the file, so that what the test sends next is captured (a client's first requests
     were missing from a capture under load)."""
     token = uuid.uuid4().bytes
