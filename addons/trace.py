@@ -113,7 +113,6 @@ from tracer.observe.exchange import BODY_BATCH_READS, MAX_KEPT_BYTES, tick_inter
 from tracer.observe.flow_pipe import CLOSE_WAIT, CaptureProcess, FactShipper, FlowPieces, StreamFn
 from tracer.observe.flow_process import open_engine
 from tracer.observe.flows import BODIES, Settings
-from tracer.protocol.probe_mark import RUN_NONCE
 from tracer.protocol.sse import is_event_stream
 
 __all__ = ["BODY_BATCH_READS", "MAX_KEPT_BYTES", "TraceAddon"]
@@ -315,7 +314,6 @@ class TraceAddon(FactShipper):
             "m": now,
             "tracer_version": __version__,
             "kind": "mitmproxy",
-            "probe_nonce": RUN_NONCE,
             "listen": ", ".join(dict.fromkeys(listen)),
             "upstream": upstream[0] if len(upstream) == 1 else None,
             "boot_id": boot_id(),

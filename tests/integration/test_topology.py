@@ -22,7 +22,7 @@ from tests.support.tap import RawUpstream, UpConn, running_tap
 from tracer import events as ev
 from tracer.capture.files import read_records
 from tracer.evidence import topology as T
-from tracer.protocol.probe_mark import RUN_NONCE, ProbeClaim, parse_probe
+from tracer.protocol.probe_mark import ProbeClaim, nonce_for, parse_probe
 
 DATA = Path(__file__).parent.parent / "data" / "topology"
 
@@ -142,7 +142,7 @@ async def test_a_transparent_hop_is_caught_by_the_port_and_sees_the_probe_header
     assert [r.target for r in seen] == ["/get_server_info", "/readiness"]
     for r in seen:
         [value] = [v for k, v in r.headers if k == T.PROBE_HEADER]
-        assert parse_probe(value) == ProbeClaim("topology", "front", RUN_NONCE)
+        assert parse_probe(value) == ProbeClaim("topology", "front", nonce_for("front"))
     # analysed together (the tap behind first: its probes are vouched for by the front
     # tap's capture whatever the order), the fingerprint is the front tap's own; the
     # clients' requests stay theirs at both taps, with a note

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from tests.unit.test_findings import ROUTER, Cap, analyze
+from tracer import events as ev
 from tracer.analysis.findings.clocks import Clocks, PairClock, clocks_to_apply
 from tracer.analysis.summary import Summary
 
@@ -84,3 +85,21 @@ def test_bounds_under_either_order_and_when_they_contradict() -> None:
     est = clock.estimate("a", "b")
     assert est is not None and not est["consistent"] and not est["skewed"]
     assert Clocks().to_json([]) == {"pairs": [], "applied": {}, "residual": []}
+
+
+def test_a_clock_that_stepped_mid_capture_is_said_and_not_applied() -> None:
+    """The tap behind's clock steps 3 s forward halfway: no one offset fits both halves;
+    nothing is applied, a caveat says so and the verdict is at most medium."""
+    front, back = _chain(0.0)
+    seen = 0
+    for e in back.events:
+        if isinstance(e, ev.RequestHead):
+            seen += 1
+        if seen > 5:
+            e.t += 3.0
+    result = _twice(front, back)
+    [pair] = result["clocks"]["pairs"]
+    assert not pair["consistent"] and result["clocks"]["applied"] == {}
+    [caveat] = [c for c in result["verdict"]["caveats"] if c["kind"] == "clocks_disagree"]
+    assert caveat["taps"] == ["front", "back"] and caveat["low"] > caveat["high"]
+    assert result["verdict"]["confidence"] != "high"

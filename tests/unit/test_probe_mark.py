@@ -24,7 +24,7 @@ def test_the_header_is_read_leniently() -> None:
     ("value", "own"),
     [
         ("topology; tap=front; nonce=N1", True),  # the nonce of a capture here
-        ("probe; tap=anything; nonce=N1", True),  # the nonce is what counts, not the name
+        ("probe; tap=anything; nonce=N1", False),  # the nonce is bound to its tap's name
         ("topology; tap=front; nonce=guess", False),
         ("topology; tap=front", False),  # front's capture has a nonce: the old form is forged
         ("topology", False),

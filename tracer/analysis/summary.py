@@ -30,7 +30,7 @@ from ..redact import redact_target, scrub_text
 from ..times import iso
 from .caveats import _caveats
 from .findings import Evidence, find
-from .findings.clocks import Clocks, shift_clock
+from .findings.clocks import Clocks, clock_caveats, shift_clock
 from .request_headers import _header, _retry_count, _trace_fields
 from .rows import BUNCH_GAP as BUNCH_GAP
 from .rows import ZERO_GAP as ZERO_GAP
@@ -211,7 +211,7 @@ class Summary:
                 key = (event.tap, event.conn, event.seq)
                 ckey = (event.tap, event.conn)
                 probe = _header(event.headers, PROBE_HEADER)
-                if probe is not None and not self.known_taps.own(probe):
+                if probe is not None and not self.known_taps.own(probe, event.tap):
                     self.unvouched_total += 1  # stays a client request, with a note
                     if len(self.unvouched) < UNVOUCHED_KEPT:
                         self.unvouched.append(f"{event.tap}/{event.conn}/{event.seq}")
@@ -641,6 +641,7 @@ class Summary:
             self.packet_losses,
             out_of_range=(self.samples_out_of_range, self.figures_out_of_range),
         )
+        caveats += clock_caveats(evidence.clock_pairs, verdict)
         if caveats:
             verdict["caveats"] = caveats
             if verdict["party"] == "none":  # an all-clear over missing records is not high

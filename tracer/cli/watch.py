@@ -15,7 +15,7 @@ from .. import events as ev
 from ..arguments import positive_float
 from ..capture.files import boot_id
 from ..evidence.options import engine_arguments, engine_poller
-from ..protocol.probe_mark import RUN_NONCE
+from ..protocol.probe_mark import nonce_for
 from ..proxy.relay import loop_options
 from .proxy import capture_arguments, open_capture
 
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
             tap=args.tap,
             tracer_version=__version__,
             kind="watch",
-            probe_nonce=RUN_NONCE,
+            probe_nonce=nonce_for(args.tap),
             boot_id=boot_id(),
             options={
                 "engine_metrics": args.engine_metrics,

@@ -59,7 +59,7 @@ from typing import Any, Literal
 
 from .. import __version__
 from .. import events as ev
-from ..protocol.probe_mark import RUN_NONCE
+from ..protocol.probe_mark import nonce_for
 from .follow import Follow
 from .gaps import Resync
 from .packets import PassiveStats, Skipped, decode_frame
@@ -219,7 +219,7 @@ class PacketTap:
                     tracer_version=__version__,
                     kind=self.kind,
                     # a live sniff's own scrapes and probes carry this run's nonce
-                    probe_nonce=RUN_NONCE if self.kind == "sniff" else None,
+                    probe_nonce=nonce_for(name) if self.kind == "sniff" else None,
                     listen=listen,
                     boot_id=self.boot_id,
                     options=options,

@@ -220,7 +220,9 @@ def _show(args: argparse.Namespace, result: dict[str, Any], keep: RowFilter, win
     if keep.active:
         keep.apply(result)
     if window is not None:
-        result["filter"]["segments"] = window.to_json()
+        result["filter"]["segments"] = segments = window.to_json()
+        if segments.get("requests_cut"):
+            _cut_caveat(result["verdict"], int(segments["requests_cut"]))
     if args.format == "json":
         write_json(result, sys.stdout)
     elif args.format == "md":
@@ -238,6 +240,21 @@ def _show(args: argparse.Namespace, result: dict[str, Any], keep: RowFilter, win
             wide=args.wide,
             brief=args.brief,
         )
+
+
+def _cut_caveat(verdict: dict[str, Any], cut: int) -> None:
+    """Requests open at the window's start whose heads were in segments not read: any of
+    them may be what hung, so an all-clear over them is low."""
+    verdict.setdefault("caveats", []).append(
+        {
+            "kind": "window_cut",
+            "count": cut,
+            "text": f"{counted(cut, 'request')} open at the window's start began in a segment "
+            "not read: not analysed (start the window earlier by the longest request)",
+        }
+    )
+    if verdict["party"] == "none":
+        verdict["confidence"] = "low"
 
 
 def _engine_requests(paths: list[str]) -> list[Any]:

@@ -15,20 +15,27 @@ that tap, itself without a nonce, is in the analysis.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 PROBE_HEADER = "x-tracer-probe"
-# this process's run: the taps it runs sign their own requests with it
+# this process's run: each tap it runs signs its own requests with a nonce made from it
 RUN_NONCE = secrets.token_hex(12)
 MAX_VALUE = 200  # a header value longer than this is no tap's
 
 
-def probe_value(kind: str, tap: str, nonce: str = RUN_NONCE) -> str:
+def nonce_for(tap: str) -> str:
+    """The run's nonce for one tap (taps in one process — tests, a sniff's taps by port —
+    each get their own, so that a tap can tell its own nonce from another's)."""
+    return hashlib.sha256(f"{RUN_NONCE}:{tap}".encode()).hexdigest()[:24]
+
+
+def probe_value(kind: str, tap: str, nonce: str | None = None) -> str:
     """The header's value on a request this tap makes itself."""
-    return f"{kind}; tap={tap}; nonce={nonce}"
+    return f"{kind}; tap={tap}; nonce={nonce if nonce is not None else nonce_for(tap)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,21 +58,26 @@ def parse_probe(value: str) -> ProbeClaim:
     )
 
 
-LEGACY_KINDS = ("proxy", "mitmproxy", "watch", "sniff")  # taps that made requests of their own
+LEGACY_KINDS = ("proxy", "watch", "sniff")  # taps that made requests of their own
 
 
 @dataclass
 class KnownTaps:
-    """The taps whose own requests an analysis can recognise: the nonces of the captures
-    in it, and the names of the captures written before nonces (``legacy``)."""
+    """The taps whose own requests an analysis can recognise: each capture's nonce with
+    the taps it names (``nonces``), the nonces of passive taps (``passive``: a sniff sees
+    its own scrapes on the wire), and the names of captures written before nonces
+    (``legacy``)."""
 
-    nonces: set[str] = field(default_factory=set)
+    nonces: dict[str, set[str]] = field(default_factory=dict)
+    passive: set[str] = field(default_factory=set)
     legacy: set[str] = field(default_factory=set)
 
     def add(self, tap: str, kind: str, nonce: str | None) -> None:
         """A capture in the analysis (its ``capture_start``'s tap, kind and nonce)."""
         if nonce:
-            self.nonces.add(nonce)
+            self.nonces.setdefault(nonce, set()).add(tap)
+            if kind == "sniff":
+                self.passive.add(nonce)
         elif kind in LEGACY_KINDS and tap:
             self.legacy.add(tap)
 
@@ -83,12 +95,17 @@ class KnownTaps:
             )
         return known
 
-    def own(self, value: str) -> bool:
-        """The header names a tap of this analysis, in a way a client cannot forge
-        (the run's nonce), or the old way for a capture that predates it."""
+    def own(self, value: str, at: str | None = None) -> bool:
+        """The header names a tap of this analysis, in a way a client cannot forge: the
+        run's nonce, with the name of a tap whose capture holds it, seen at another tap
+        (an inline tap's own requests never come in through its own listener; a sniff's
+        do) — or the old way, for a capture that predates nonces."""
         if len(value) > MAX_VALUE:
             return False
         claim = parse_probe(value)
         if claim.nonce is not None:
-            return claim.nonce in self.nonces
+            names = self.nonces.get(claim.nonce, set())
+            if claim.tap not in names:
+                return False
+            return at is None or at not in names or claim.nonce in self.passive
         return claim.tap is not None and claim.tap in self.legacy

@@ -65,7 +65,7 @@ from ..faults.plan import (
 )
 from ..observe.exchange import tick_interval
 from ..observe.wire import Bodies
-from ..protocol.probe_mark import RUN_NONCE
+from ..protocol.probe_mark import nonce_for
 from .connection import Connection, InjectingConnection, _unsent_bytes
 from .fault_connection import FaultConnection, InjectingFaultConnection
 from .pump import ClientPump
@@ -219,7 +219,7 @@ class Tap:
             tap=cfg.name,
             tracer_version=__version__,
             kind="proxy",
-            probe_nonce=RUN_NONCE,
+            probe_nonce=nonce_for(cfg.name),
             listen=f"{cfg.listen_host}:{cfg.listen_port}",
             upstream=cfg.upstream_url,
             boot_id=boot_id(),

@@ -30,6 +30,7 @@ from typing import Any
 
 from ... import events as ev
 
+SAME_HOLD = 1e-5  # seconds: held this close to as long at both taps, neither is in front
 SKEW = 0.002  # seconds a pair's bounds must exclude zero by before its offset is applied
 
 
@@ -40,6 +41,7 @@ class PairClock:
 
     a_front: int = 0
     b_front: int = 0
+    ties: int = 0
     lo_a: float = -math.inf  # a in front: max(end_b - end_a)
     hi_a: float = math.inf  # ... min(start_b - start_a)
     lo_b: float = -math.inf  # b in front: max(start_b - start_a)
@@ -47,17 +49,32 @@ class PairClock:
 
     def add(self, start_a: float, end_a: float, start_b: float, end_b: float) -> None:
         d_start, d_end = start_b - start_a, end_b - end_a
-        if end_a - start_a >= end_b - start_b:
+        held_a, held_b = end_a - start_a, end_b - start_b
+        if held_a > held_b + SAME_HOLD:
             self.a_front += 1
-        else:
+        elif held_b > held_a + SAME_HOLD:
             self.b_front += 1
+        else:  # (as long at both: no vote for either; its bounds count under both orders)
+            self.ties += 1
         self.lo_a, self.hi_a = max(self.lo_a, d_end), min(self.hi_a, d_start)
         self.lo_b, self.hi_b = max(self.lo_b, d_start), min(self.hi_b, d_end)
+
+    def b_behind(self) -> bool | None:
+        """Whether ``b`` is behind ``a`` (nearer the engine), where the requests say so
+        clearly: at least 3, and 3 in 4 of them one way (None: not clear)."""
+        n = self.a_front + self.b_front
+        if n < 3:
+            return None
+        if self.a_front * 4 >= n * 3:
+            return True
+        if self.b_front * 4 >= n * 3:
+            return False
+        return None
 
     def estimate(self, a: str, b: str) -> dict[str, Any] | None:
         """The offset of ``b``'s clock against ``a``'s, with its bounds (None: no request
         both answered completely)."""
-        n = self.a_front + self.b_front
+        n = self.a_front + self.b_front + self.ties
         if not n:
             return None
         front_a = self.a_front >= self.b_front
@@ -141,3 +158,28 @@ def clocks_to_apply(result: dict[str, Any]) -> Clocks | None:
     order = sorted({p["from"] for p in pairs} - behind) + sorted(behind)
     offsets = chain_offsets(pairs, order)
     return Clocks(applied=offsets, measured=pairs) if offsets else None
+
+
+def clock_caveats(pairs: list[dict[str, Any]], verdict: dict[str, Any]) -> list[dict[str, Any]]:
+    """A pair whose bounds cross (a clock stepped mid-capture, or requests joined wrongly):
+    no offset was applied, and what compares moments across those taps is unsure — said
+    beside the verdict, which is then at most medium."""
+    out = []
+    for p in pairs:
+        if p["consistent"]:
+            continue
+        out.append(
+            {
+                "kind": "clocks_disagree",
+                "taps": [p["from"], p["to"]],
+                "low": p["low"],
+                "high": p["high"],
+                "text": f"taps {p['from']} and {p['to']}: the requests both answered bound their "
+                f"clocks' offset from {p['low']:+.3f} s and to {p['high']:+.3f} s, which cannot "
+                "both hold (a clock stepped mid-capture, or requests joined wrongly): no offset "
+                "applied, and what compares moments across them is unsure",
+            }
+        )
+    if out and verdict.get("confidence") == "high":
+        verdict["confidence"] = "medium"
+    return out

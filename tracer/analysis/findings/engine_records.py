@@ -46,6 +46,21 @@ AROUND = 120.0  # seconds: records of requests this close before and after a mis
 AFTER = 0.5  # the engine recorded a request received this long after the client left
 
 
+CLOCK_SLACK = 5.0  # seconds an engine's clock may be from a tap's for its record to join
+
+
+def fits(rec: EngineRequest, r: RequestRow) -> bool:
+    """The record's times can be this request's: received after the tap saw it begin and
+    before it ended there, finished after it began (within ``CLOCK_SLACK`` of clock
+    difference); a record that says nothing of its times fits."""
+    end = r.end if r.end is not None else math.inf
+    if rec.received is not None and not (
+        r.start - CLOCK_SLACK <= rec.received <= end + CLOCK_SLACK
+    ):
+        return False
+    return rec.finished is None or rec.finished >= r.start - CLOCK_SLACK
+
+
 def trace_of(r: RequestRow) -> str | None:
     """The request's trace id (``traceparent``), where the rows carry it."""
     value = getattr(r, "trace_id", None)
@@ -53,25 +68,28 @@ def trace_of(r: RequestRow) -> str | None:
 
 
 class Records:
-    """The records, by the ids they answer to and by trace id."""
+    """The records, by the ids they answer to and by trace id (all of them: ids repeat
+    across runs, and a folder of exports holds many)."""
 
     def __init__(self, records: list[EngineRequest]) -> None:
-        self.by_id: dict[str, EngineRequest] = {}
-        self.by_trace: dict[str, EngineRequest] = {}
+        self.by_id: dict[str, list[EngineRequest]] = {}
+        self.by_trace: dict[str, list[EngineRequest]] = {}
         for rec in sorted(records, key=lambda x: (x.received or 0.0, x.source)):
             for key in rec.ids():
-                self.by_id.setdefault(key, rec)
+                self.by_id.setdefault(key, []).append(rec)
             if rec.trace_id:
-                self.by_trace.setdefault(rec.trace_id, rec)
+                self.by_trace.setdefault(rec.trace_id, []).append(rec)
         self.received = sorted(x.received for x in records if x.received is not None)
 
     def of(self, r: RequestRow) -> tuple[EngineRequest | None, str | None]:
-        """The request's record and what joined it (``request_id`` or ``trace_id``)."""
-        if r.request_id and r.request_id in self.by_id:
-            return self.by_id[r.request_id], "request_id"
-        trace = trace_of(r)
-        if trace and trace in self.by_trace:
-            return self.by_trace[trace], "trace_id"
+        """The request's record and what joined it (``request_id`` or ``trace_id``): one
+        whose times can be this request's (``fits``); a record of the same id from another
+        time — another run, an id used again — is not this request's account."""
+        keyed = (r.request_id, self.by_id, "request_id"), (trace_of(r), self.by_trace, "trace_id")
+        for key, index, how in keyed:
+            for rec in index.get(key, []) if key else []:
+                if fits(rec, r):
+                    return rec, how
         return None, None
 
     def recorded_after(self, t: float) -> bool:

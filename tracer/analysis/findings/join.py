@@ -245,7 +245,10 @@ class Join:
 
         def flush() -> None:
             seen = [g[1] for g in group]
-            if len(set(seen)) == len(seen) > 1:
+            # the same trace id on different bodies is no one request (a hop that mixed
+            # up headers): what would contradict the join, so it goes the other way
+            bodies = {g[11] for g in group if g[11]}
+            if len(set(seen)) == len(seen) > 1 and len(bodies) <= 1:
                 for g in group:
                     keyed.add(g[:10])
             else:
@@ -394,7 +397,10 @@ class Join:
             self._groups.append(group)
 
     def _tap_order(self, counts: dict[str, int]) -> list[str]:
-        """Taps from the client side to the engine side (by when they saw shared requests)."""
+        """Taps from the client side to the engine side: by which held their shared
+        requests longer (``PairClock.b_behind``: each tap's own durations, which no clock
+        offset changes — by time, a clock a millisecond behind would put the tap behind in
+        front), where that is clear; else by when they saw them."""
         taps = sorted(counts)
         if len(taps) < 2:
             return taps
@@ -404,6 +410,9 @@ class Join:
                 if a >= b:
                     continue
                 later = self._pairs[(a, b)].later() if (a, b) in self._pairs else None
+                clock = self.clocks.get((a, b))
+                if clock is not None and clock.b_behind() is not None:
+                    later = clock.b_behind()
                 if later is not None:
                     score[b] += 1 if later else -1
                     score[a] += -1 if later else 1

@@ -106,6 +106,9 @@ def hang_window(r: RequestRow, end: float | None) -> tuple[float, float] | None:
     if stall is not None:
         return stall["start"], stall["end"] or r.end or end or stall["start"]
     if r.termination in ("in_flight", "truncated", "client_abort") and r.status is None:
+        lasted = (r.end or end or r.start) - r.start
+        if r.termination == "in_flight" and lasted < SILENT_MIN:
+            return None  # the capture's end (a stop, a kill) cut it: not long enough to tell
         return r.start, r.end or end or r.start
     return None
 
