@@ -94,6 +94,10 @@ IDENTITY = {"id", "tap", "conn", "request_id"}
 TIMING_COUNTS = {"zero_gaps", "bunch_gaps"}
 
 
+# the client that gives up closes after its second token: how many more each tap saw
+# before the close is a race (3 or 4 events under load), not a difference of the taps
+ABORT_COUNTS = {"events", "response_bytes", "event_gaps", "max_event_bytes"}
+
 # what mitmproxy cannot show (FIN vs reset) and each tap's own wording of an end
 NOT_COMPARABLE = {"close", "detail"}
 
@@ -168,6 +172,10 @@ async def test_parity_with_the_native_tap(tmp_path: Path) -> None:
     assert {f[0] for f in native_findings} >= {"upstream_silent", "stream_cut", "client_abort"}
     assert sorted(native) == sorted(mitm)
     for key in native:
+        if key == "abort":  # how many events reached each tap before the close: timing
+            for row in (mitm[key], native[key]):
+                for count in ABORT_COUNTS:
+                    row.pop(count, None)
         assert mitm[key] == native[key], key
     assert mitm_conns == native_conns
     # the scenario did what it says, in both

@@ -108,6 +108,16 @@ def set_aside_lost(ctx: Context, findings: list[Finding]) -> list[Finding]:
                 )
             )
             out.append(f)
+    # and the requests no finding named: any that did not complete in the capture while
+    # its tap lost records is the capture's to explain, said so
+    for r in ctx.interesting:
+        if r.id in lost or not r.method or r.termination == "complete":
+            continue
+        for w in windows:
+            if w.overlaps(r, r.end or ctx.e.end):
+                lost[r.id] = r
+                used.setdefault(r.tap, set()).add(w)
+                break
     for tap in sorted(used):
         rows = sorted((r for r in lost.values() if r.tap == tap), key=lambda r: r.start)
         out.append(_lost_finding(tap, rows, sorted(used[tap], key=lambda w: w.last)))
