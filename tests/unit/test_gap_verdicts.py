@@ -85,3 +85,23 @@ def test_a_fault_on_a_gapped_connection_stands_at_low_confidence_and_says_why(
         assert f["confidence"] == "low" and "pcap/1/2" not in f["requests"]
         assert [e for e in f["evidence"] if e["figures"].get("gapped_connections") == 1]
     assert result["verdict"]["confidence"] == "low"
+
+
+def test_a_connection_the_capture_joined_mid_way_is_said_not_a_client_failure(
+    tmp_path: Path,
+) -> None:
+    """No handshake and the first exchange not in the capture (its response bytes come
+    before any request head): the bytes skipped are said as the packet capture's own loss,
+    never a client connection that failed, and the all-clear is not high."""
+    c = Conn()
+    c.lost += c.flow.packets[:3]  # the handshake
+    c.client(get(1), lose=True)
+    c.server(answer(1))
+    c.client(get(2))
+    c.server(answer(2))
+    c.close()
+    result = _analyze(c, tmp_path)
+    assert not [f for f in result["findings"] if f["kind"] == "client_connection_failed"]
+    caveats = [v for v in result["verdict"]["caveats"] if v["kind"] == "packet_capture_loss"]
+    assert any("began before the capture" in v["text"] for v in caveats)
+    assert result["verdict"]["confidence"] != "high"

@@ -402,10 +402,16 @@ class Summary:
             case ev.Anomaly():
                 if event.gap is not None and event.seq is not None:
                     self._gapped(event)
+                elif event.gap is not None and len(self.packet_losses) < 5:
+                    # a connection the packet capture joined mid-way: said beside the verdict
+                    self.packet_losses.append(
+                        f"tap {event.tap}: connection {event.conn}: {event.error}"
+                    )
                 conn = self._conn(event.tap, event.conn)
                 if conn is not None:
                     conn.anomalies.append(f"{event.direction}: {scrub_text(event.error)}")
-                    if event.direction == "client" and event.seq is None and not conn.requests:
+                    failed = event.gap is None and event.seq is None  # (not a capture's gap)
+                    if event.direction == "client" and failed and not conn.requests:
                         self._client_failed(event)
             case ev.CaptureStart():
                 self.known_taps.add(event.tap, event.kind, event.probe_nonce)

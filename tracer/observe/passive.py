@@ -427,6 +427,7 @@ class PacketTap:
                 if not f.synced:
                     if side == "client" and looks_like_request(data):
                         f.synced = True
+                        self._began_before(f, t)
                     else:
                         f.skipped[src] += len(data)
                         self.stats.skipped_bytes += len(data)
@@ -476,6 +477,29 @@ class PacketTap:
         f.close(t, why)
 
     # ---- stalls -------------------------------------------------------------------------
+
+    def _began_before(self, f: Follow, t: float) -> None:
+        """A connection the capture joined mid-way (no SYN) with bytes before the first
+        request head it saw: requests before that one are not in the capture, and the
+        positions on it count from there — said, as a packet capture's own loss."""
+        skipped = sum(f.skipped.values())
+        if f.tcp.start_seen or not skipped:
+            return
+        self._emit(
+            ev.Anomaly(
+                t=t,
+                m=t,
+                tap=f.tap,
+                conn=f.num,
+                seq=None,
+                direction="client",
+                error=f"packet capture: the connection began before the capture, and {skipped} "
+                "byte(s) of it came before the first request head seen: requests before it are "
+                "not in the capture, and positions on it count from there",
+                offset=0,
+                gap=skipped,
+            )
+        )
 
     def _stall_time(self, last: float) -> float:
         """The first time at which ``last`` is ``stall_after`` old (exactly, in floats)."""
