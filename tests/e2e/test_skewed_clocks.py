@@ -70,7 +70,17 @@ async def _run(tmp_path: Path, skew: int) -> tuple[dict[str, Any], str]:
     argv = [sys.executable, "-m", "tracer", "analyze", str(front_cap), str(back_cap)]
     out = subprocess.run([*argv, "--format", "json"], capture_output=True, text=True, check=True)
     text = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.stdout), text
+    result = json.loads(out.stdout)
+    # the report reads the captures the same way: its verdict and clocks are analyze's
+    md, js = tmp_path / f"incident{skew}.md", tmp_path / f"incident{skew}.json"
+    report = [sys.executable, "-m", "tracer", "report", str(front_cap), str(back_cap)]
+    subprocess.run([*report, "-o", str(md), "--json", str(js)], capture_output=True, check=True)
+    doc = json.loads(js.read_text())
+    assert (doc["verdict"]["kind"], doc["overview"]["clocks"]["applied"]) == (
+        result["verdict"]["kind"],
+        result["clocks"]["applied"],
+    )
+    return result, text
 
 
 @pytest.mark.skipif(not LIBFAKETIME.exists(), reason="libfaketime not installed (.ci/run does)")

@@ -638,6 +638,9 @@ class Summary:
             engine_requests=list(engine_requests or []),  # --engine-requests
         )
         findings, verdict = find(evidence)
+        close = getattr(self._copies, "close", None)  # (a result asked for before)
+        if close is not None and self._copies is not evidence.copies:
+            close()
         self._copies = evidence.copies
         reqs = _with_copies(reqs, evidence.copies)
         caveats = _caveats(

@@ -9,18 +9,18 @@ from __future__ import annotations
 import hashlib
 import json
 import shlex
-from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..analysis.findings import Context, Evidence
+from ..analysis.findings.clocks import Clocks, clocks_to_apply
 from ..analysis.summary import Summary
 from ..capture.files import PACKETS, CaptureError, PacketOptions, expand_captures, read_into
 from ..capture.reader import capture_headers
 from ..protocol.probe_mark import KnownTaps
-from .clock_pass import measure_clocks
+from .clock_pass import one_clock
 from .report_engine import engine_around
 
 if TYPE_CHECKING:
@@ -36,18 +36,21 @@ def load(
     """Feed every capture to one Summary; per capture: its hash and what reading it found
     (``packets``: how a pcap is read as taps)."""
     known, files = KnownTaps.of(capture_headers(paths)), expand_captures(paths)
-
-    def read_all(feed: Callable[[Any], None]) -> None:
-        for path in files:
-            read_into(path, feed, packets)
-
-    # taps whose clocks disagree: measured in a first pass, applied in this one
-    summary = Summary(known_taps=known, clocks=measure_clocks(files, known, read_all))
-    try:
-        captures = [_feed(summary, path, packets) for path in files]
-    except BaseException:
-        summary.close()
-        raise
+    clocks: Clocks | None = None
+    while True:
+        summary = Summary(known_taps=known, clocks=clocks)
+        try:
+            captures = [_feed(summary, path, packets) for path in files]
+            # taps whose clocks disagree: once measured, read again on one clock
+            if clocks is None and not one_clock(files):
+                clocks = clocks_to_apply(summary.result(captures=captures))
+                if clocks is not None:
+                    summary.close()
+                    continue
+        except BaseException:
+            summary.close()
+            raise
+        break
     return summary, captures
 
 
