@@ -103,3 +103,18 @@ def test_a_clock_that_stepped_mid_capture_is_said_and_not_applied() -> None:
     [caveat] = [c for c in result["verdict"]["caveats"] if c["kind"] == "clocks_disagree"]
     assert caveat["taps"] == ["front", "back"] and caveat["low"] > caveat["high"]
     assert result["verdict"]["confidence"] != "high"
+
+
+def test_taps_put_on_one_clock_are_still_said_to_have_two() -> None:
+    """After the offset is applied, the pair's one_clock still says what the headers say:
+    two clocks (the join's slack and every rule that trusts one clock stay off)."""
+    front, back = _chain(SKEW)
+    for cap, wall in ((front, 0.0), (back, SKEW)):
+        start = cap.events[0]
+        assert isinstance(start, ev.CaptureStart)
+        start.boot_id = "boot-a"  # one machine's boot, its wall clock stepped in between
+        start.m = start.t - wall
+    result = _twice(front, back)
+    assert result["clocks"]["applied"]
+    [pair] = result["evidence"]["tap_pairs"]
+    assert pair["one_clock"] is False

@@ -424,7 +424,11 @@ class Summary:
                         "upstream": event.upstream,
                         "tracer_version": event.tracer_version,
                         "boot_id": event.boot_id,
-                        "wall_offset": round(event.t - event.m, 6),
+                        # the tap's own clock, as it wrote it (not as shifted onto the
+                        # front tap's): which taps read one clock is a fact of the headers
+                        "wall_offset": round(
+                            event.t + self._shift.get(event.tap, 0.0) - event.m, 6
+                        ),
                         "started": event.t,
                         "ended": None,
                         "dropped": 0,

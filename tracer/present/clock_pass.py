@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..analysis.findings.join import shared_clock
+from ..analysis.findings.clocks import shared_clock
 from ..capture.reader import capture_headers, file_kind
 
 

@@ -101,8 +101,11 @@ def chain_offsets(pairs: list[dict[str, Any]], order: list[str]) -> dict[str, fl
     edges: dict[str, list[tuple[str, float]]] = {}
     for p in pairs:
         if p["consistent"]:
-            edges.setdefault(p["from"], []).append((p["to"], p["offset"]))
-            edges.setdefault(p["to"], []).append((p["from"], -p["offset"]))
+            # a pair whose bounds hold zero reads one clock as far as anyone can tell: its
+            # taps are not moved against each other (a fraction of a millisecond is noise)
+            offset = p["offset"] if p["skewed"] else 0.0
+            edges.setdefault(p["from"], []).append((p["to"], offset))
+            edges.setdefault(p["to"], []).append((p["from"], -offset))
     offsets: dict[str, float] = {}
     for root in order:
         if root in offsets or root not in edges:
@@ -157,7 +160,28 @@ def clocks_to_apply(result: dict[str, Any]) -> Clocks | None:
     behind = {p["to"] for p in pairs}
     order = sorted({p["from"] for p in pairs} - behind) + sorted(behind)
     offsets = chain_offsets(pairs, order)
+    # taps whose headers show one clock move together: each as the first of them in
+    # order (a path through other taps would give them offsets a fraction of a ms apart)
+    taps = {t["tap"]: t for t in result.get("taps", [])}
+    for tap in order:
+        group = [
+            u for u in order if u in taps and tap in taps and shared_clock([taps[tap], taps[u]])
+        ]
+        for u in group[1:]:
+            if u in offsets or group[0] in offsets:
+                offsets[u] = offsets.get(group[0], 0.0)
+    offsets = {tap: off for tap, off in offsets.items() if off}
     return Clocks(applied=offsets, measured=pairs) if offsets else None
+
+
+def shared_clock(taps: list[dict[str, Any]]) -> bool:
+    """Whether these taps read one wall clock: started in the same boot (``boot_id``) with
+    the same wall offset (no clock step between their starts)."""
+    boots = {t.get("boot_id") for t in taps}
+    offsets = [o for t in taps if isinstance(o := t.get("wall_offset"), (int, float))]
+    if len(boots) != 1 or None in boots or len(offsets) != len(taps):
+        return False
+    return max(offsets) - min(offsets) <= 0.001
 
 
 def clock_caveats(pairs: list[dict[str, Any]], verdict: dict[str, Any]) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from ..rows import RequestRow
 from ..spill import SortedSpool
-from .clocks import PairClock
+from .clocks import PairClock, shared_clock
 from .first_events import FIRST_EVENT_HELD, FIRST_EVENT_PROMPT, Holds
 
 JOIN_SLACK = 1.0  # seconds: clock offset between taps tolerated when joining by time
@@ -114,16 +114,6 @@ class _Group:
 
 def pair_key(a: str, b: str) -> tuple[str, str]:
     return (a, b) if a < b else (b, a)
-
-
-def shared_clock(taps: list[dict[str, Any]]) -> bool:
-    """Whether these taps read one wall clock: started in the same boot (``boot_id``) with
-    the same wall offset (no clock step between their starts)."""
-    boots = {t.get("boot_id") for t in taps}
-    offsets = [o for t in taps if isinstance(o := t.get("wall_offset"), (int, float))]
-    if len(boots) != 1 or None in boots or len(offsets) != len(taps):
-        return False
-    return max(offsets) - min(offsets) <= 0.001
 
 
 def addr_key(addr: str) -> str:
