@@ -470,8 +470,10 @@ async def test_a_hop_that_bunches_events_is_where_delivery_coalesces(tmp_path: P
     assert by_tap["back"]["bunch_gaps"] < 5 < by_tap["front"]["bunch_gaps"], by_tap
     found = [f for f in result["findings"] if f["kind"] == "delivery_coalesced"]
     assert found and found[0]["party"] == "proxy", result["findings"]
-    # bunched at tap front, steady at tap back: the hop between them
-    assert found[0]["confidence"] == "high", found[0]
+    # bunched at tap front, steady at tap back: the hop between them — unless a tap was
+    # itself starved then (a loaded machine): its timings cannot testify, a note by design
+    starved = [e for e in found[0]["evidence"] if "max_lag" in e["figures"]]
+    assert found[0]["confidence"] == ("low" if starved else "high"), found[0]
     assert sorted(found[0]["requests"]) == ["back/1/1", "front/1/1"], found[0]
     assert {e["tap"] for e in found[0]["evidence"]} == {"front", "back"}
 
