@@ -59,7 +59,11 @@ async def hop_swallows_large_bodies_engine_records(lab: Lab) -> None:
             client, taps["front"], max_tokens=8, headers={"x-request-id": "g1-after"}, content=body
         )
         lab.note(base.describe("httpx g1-after (fresh connection g, after the give-ups)", got))
-    await anyio.sleep(1)
+    # the engine writes a record at the finish: wait (with a deadline) for that one's
+    sglang = lab.work / SGLANG_FILE
+    with anyio.fail_after(10):
+        while not (sglang.exists() and b"g1-after" in sglang.read_bytes()):
+            await anyio.sleep(0.05)  # (polls the file with a deadline)
 
 
 def _records(lab: Lab, staged: Path) -> dict[str, Any]:

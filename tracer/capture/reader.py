@@ -78,20 +78,23 @@ def expand_captures(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
     for p in map(Path, paths):
         files += sorted([*p.glob("*.jsonl"), *p.glob("*.jsonl.zst")]) if p.is_dir() else [p]
 
-    def key(f: Path) -> tuple[str, str, int]:
-        m = _SEGMENT.match(f.name)
-        assert m is not None  # the pattern matches any name
-        return (str(f.parent), m["stem"] + (m["suffix"] or ""), int(m["n"] or 0))
-
     order = {f: i for i, f in enumerate(files)}
     groups: dict[tuple[str, str], list[Path]] = {}
     for f in files:
-        k = key(f)
+        k = segment_key(f)
         groups.setdefault(k[:2], []).append(f)
     out: list[str] = []
     for members in sorted(groups.values(), key=lambda m: min(order[f] for f in m)):
-        out += [str(f) for f in sorted(members, key=lambda f: key(f)[2])]
+        out += [str(f) for f in sorted(members, key=lambda f: segment_key(f)[2])]
     return out
+
+
+def segment_key(f: Path) -> tuple[str, str, int]:
+    """(folder, capture name, segment number): the segments of one capture share the first
+    two, and sort by the third."""
+    m = _SEGMENT.match(f.name)
+    assert m is not None  # the pattern matches any name
+    return (str(f.parent), m["stem"] + (m["suffix"] or ""), int(m["n"] or 0))
 
 
 class CaptureError(Exception):

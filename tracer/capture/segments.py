@@ -40,7 +40,7 @@ import orjson
 
 from .. import events as ev
 from ..times import parse_time
-from .reader import _SEGMENT, ReadStats, _open_capture_file, event_from_record, read_events
+from .reader import ReadStats, _open_capture_file, event_from_record, read_events, segment_key
 
 # the window is widened by this much on each side before segments are chosen: taps on
 # different hosts whose clocks differ, records a batch puts slightly out of time order
@@ -178,10 +178,7 @@ def _zst_span(name: str, next_first: float | None) -> Span | None:
 
 def _capture_key(path: str) -> tuple[str, str]:
     """Which capture a file is a segment of (``expand_captures``'s grouping)."""
-    p = Path(path)
-    m = _SEGMENT.match(p.name)
-    assert m is not None  # the pattern matches any name
-    return (str(p.parent), m["stem"] + (m["suffix"] or ""))
+    return segment_key(Path(path))[:2]
 
 
 def _groups(files: list[str]) -> list[list[str]]:

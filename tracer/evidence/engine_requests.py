@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from ..capture.files import CaptureError
+from ..protocol.trace_context import TraceContext, parse_traceparent
 
 SGLANG = "sglang"
 VLLM = "vllm"
@@ -340,12 +341,11 @@ def _sglang(obj: dict[str, Any], where: str) -> EngineRequest:
 
 
 def _trace_of(traceparent: Any) -> str | None:
+    """The trace id of a ``traceparent`` the engine recorded, if it is a valid one."""
     if not isinstance(traceparent, str):
         return None
-    parts = traceparent.strip().split("-")
-    if len(parts) >= 4 and _HEX_TRACE.fullmatch(parts[1]) and parts[1] != "0" * 32:
-        return parts[1]
-    return None
+    got = parse_traceparent(traceparent)
+    return got.trace_id if isinstance(got, TraceContext) else None
 
 
 # -- OTLP JSON (vLLM's spans) -------------------------------------------------------------

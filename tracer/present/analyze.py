@@ -177,8 +177,8 @@ def packet_options(args: argparse.Namespace) -> PacketOptions:
 def run(args: argparse.Namespace) -> int:
     packets = packet_options(args)
     engine_requests = _engine_requests(getattr(args, "engine_requests", []))
-    known = KnownTaps.of(capture_headers(args.captures))  # whose x-tracer-probe to believe
     files = expand_captures(args.captures)
+    known = KnownTaps.of(capture_headers(files))  # whose x-tracer-probe to believe
     # a window over rotated captures reads only the segments it needs (capture/segments.py)
     window = plan_window(files, args.since, args.until) if args.since or args.until else None
     window = window if window is not None and window.skips else None

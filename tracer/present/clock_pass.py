@@ -9,15 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 from ..analysis.findings.clocks import shared_clock
-from ..capture.reader import capture_headers, file_kind
+from ..capture.reader import file_kind
 
 
-def one_clock(files: list[str]) -> bool:
-    """Whether the captures' headers show one clock for all their taps (or one tap)."""
+def one_clock(files: list[str], headers: list[dict[str, Any]]) -> bool:
+    """Whether the captures' headers (``capture_headers``) show one clock for all their
+    taps (or one tap)."""
     if any(file_kind(f) in ("pcap", "pcapng") for f in files):
         return len(files) < 2  # (a packet capture's taps: their headers come with it)
     taps: dict[str, dict[str, Any]] = {}
-    for h in capture_headers(files):
+    for h in headers:
         t, m = h.get("t"), h.get("m")
         offset = t - m if isinstance(t, int | float) and isinstance(m, int | float) else None
         taps.setdefault(str(h.get("tap")), {"boot_id": h.get("boot_id"), "wall_offset": offset})

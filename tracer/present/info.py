@@ -165,8 +165,8 @@ def inspect(files: list[str], packets: PacketOptions = PACKETS) -> CaptureInfo:
 def _count(info: CaptureInfo, record: dict[str, Any]) -> None:
     kind = str(record.get("type"))
     info.types[kind] += 1
-    t = record.get("t")
-    if isinstance(t, int | float) and not isinstance(t, bool) and 0 < t < 1e11:
+    t = _time(record.get("t"))
+    if t is not None:
         info.first_t = t if info.first_t is None else min(info.first_t, t)
         info.last_t = t if info.last_t is None else max(info.last_t, t)
     if kind == "capture_start":

@@ -35,14 +35,16 @@ def load(
 ) -> tuple[Summary, list[dict[str, Any]]]:
     """Feed every capture to one Summary; per capture: its hash and what reading it found
     (``packets``: how a pcap is read as taps)."""
-    known, files = KnownTaps.of(capture_headers(paths)), expand_captures(paths)
+    files = expand_captures(paths)
+    headers = capture_headers(files)
+    known = KnownTaps.of(headers)
     clocks: Clocks | None = None
     while True:
         summary = Summary(known_taps=known, clocks=clocks)
         try:
             captures = [_feed(summary, path, packets) for path in files]
             # taps whose clocks disagree: once measured, read again on one clock
-            if clocks is None and not one_clock(files):
+            if clocks is None and not one_clock(files, headers):
                 clocks = clocks_to_apply(summary.result(captures=captures))
                 if clocks is not None:
                     summary.close()

@@ -61,12 +61,6 @@ def fits(rec: EngineRequest, r: RequestRow) -> bool:
     return rec.finished is None or rec.finished >= r.start - CLOCK_SLACK
 
 
-def trace_of(r: RequestRow) -> str | None:
-    """The request's trace id (``traceparent``), where the rows carry it."""
-    value = getattr(r, "trace_id", None)
-    return value if isinstance(value, str) else None
-
-
 class Records:
     """The records, by the ids they answer to and by trace id (all of them: ids repeat
     across runs, and a folder of exports holds many)."""
@@ -85,7 +79,7 @@ class Records:
         """The request's record and what joined it (``request_id`` or ``trace_id``): one
         whose times can be this request's (``fits``); a record of the same id from another
         time — another run, an id used again — is not this request's account."""
-        keyed = (r.request_id, self.by_id, "request_id"), (trace_of(r), self.by_trace, "trace_id")
+        keyed = (r.request_id, self.by_id, "request_id"), (r.trace_id, self.by_trace, "trace_id")
         for key, index, how in keyed:
             for rec in index.get(key, []) if key else []:
                 if fits(rec, r):
@@ -154,7 +148,7 @@ def account_item(r: RequestRow, rec: EngineRequest, joined_by: str) -> EvidenceI
 
 
 def _keyed(r: RequestRow) -> bool:
-    return bool(r.request_id or trace_of(r))
+    return bool(r.request_id or r.trace_id)
 
 
 def _nothing_back(r: RequestRow) -> bool:
@@ -360,7 +354,7 @@ def _before(
         left_all = left_all and left
         if len(evidence) >= 2 * MAX_QUOTED:
             continue
-        key = f"x-request-id={r.request_id}" if r.request_id else f"trace {trace_of(r)}"
+        key = f"x-request-id={r.request_id}" if r.request_id else f"trace {r.trace_id}"
         evidence += [
             at_tap_item(r),
             EvidenceItem(
